@@ -1,0 +1,21 @@
+"""Shared core of the DSA kernel packages: arch detection, config tables, test and timing helpers."""
+
+from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, tilelang_target
+from kernel_common.config import ConfigTable, KeyField, Lookup, heads_bucket, next_pow2
+from kernel_common.validate import check_int, check_tensor
+
+__all__ = [
+    "ARCH_ENV",
+    "Arch",
+    "ConfigTable",
+    "KeyField",
+    "Lookup",
+    "check_int",
+    "check_tensor",
+    "device_arch",
+    "heads_bucket",
+    "next_pow2",
+    "parse_arch",
+    "tilelang_target",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,62 @@
+"""The ``topk::ranged_topk`` custom op: validation, fake implementation, backend dispatch."""
+
+from __future__ import annotations
+
+import torch
+from kernel_common import check_int, check_tensor
+
+from topk.reference import ranged_topk_reference
+
+_SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("topk::ranged_topk", mutates_args=())
+def _ranged_topk_op(
+    scores: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None
+) -> torch.Tensor:
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    flat = scores.reshape(-1, n)
+    rows = flat.shape[0]
+    lo = starts.reshape(rows) if starts is not None else torch.zeros(rows, dtype=torch.int32, device=scores.device)
+    hi = ends.reshape(rows) if ends is not None else torch.full((rows,), n, dtype=torch.int32, device=scores.device)
+    # Ranges are clipped to the row so that no backend can be asked to read outside it.
+    lo = lo.clamp(0, n)
+    hi = hi.clamp(0, n)
+    return ranged_topk_reference(flat, k, lo, hi).reshape(*lead, k)
+
+
+@_ranged_topk_op.register_fake
+def _(scores, k, starts, ends):
+    return scores.new_empty((*scores.shape[:-1], k), dtype=torch.int32)
+
+
+def ranged_topk(
+    scores: torch.Tensor,
+    k: int,
+    starts: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact top-k column indices of each row of ``scores`` over its range ``[starts, ends)``.
+
+    Args:
+        scores: ``[..., N]`` float32 (bfloat16 / float16 are upcast). Columns outside a row's
+            range are never read and may hold anything (NaN, inf, stale data).
+        k: number of indices per row, ``k >= 1`` (``k > N`` is allowed: the tail is -1).
+        starts, ends: int32 ``[...]`` (the leading shape of ``scores``), half-open per row and
+            clipped to ``[0, N]``; ``None`` means 0 and ``N``.
+
+    Returns:
+        int32 ``[..., k]``: the columns of the k largest in-range values in ascending column
+        order, then -1 where fewer than k are selectable. -inf and NaN are never selected; ties
+        at the k-th value keep the smaller column, so the result is a pure function of the scores.
+    """
+    op = "ranged_topk"
+    check_tensor(op, "scores", scores, dtypes=_SCORE_DTYPES)
+    if scores.dim() < 1:
+        raise ValueError(f"{op}: scores must have shape [..., N] with at least one dimension, got []")
+    check_int(op, "k", k, minimum=1)
+    lead = list(scores.shape[:-1])
+    for name, t in (("starts", starts), ("ends", ends)):
+        if t is not None:
+            check_tensor(op, name, t, dtypes=(torch.int32,), shape=lead, layout=f"{lead} (scores.shape[:-1])", device=scores.device)
+    return _ranged_topk_op(scores, k, starts, ends)
