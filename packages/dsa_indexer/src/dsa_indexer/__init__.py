@@ -1,0 +1,7 @@
+"""Lightning indexer of DeepSeek Sparse Attention: logits, differentiable top-k scores, causal ranges."""
+
+from dsa_indexer._ops import indexer_logits, indexer_topk_scores, lightning_indexer
+from dsa_indexer.ranges import causal_ranges
+
+__all__ = ["causal_ranges", "indexer_logits", "indexer_topk_scores", "lightning_indexer"]
+__version__ = "0.1.0"

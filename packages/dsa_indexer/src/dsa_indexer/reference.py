@@ -1,0 +1,105 @@
+"""Torch references for the lightning indexer (pure PyTorch, fp32 math by default, bounded memory)."""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 26  # query chunk size so that the [t, H, T_kv] temporary stays ~256 MB in fp32
+
+
+def _query_chunk(heads: int, width: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, heads * width))
+
+
+def indexer_logits_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` inside ``[starts[t], ends[t])``, -inf outside.
+
+    q [T, H, D], k [T_kv, D], weights [T, H], starts/ends [T]; computed in ``dtype`` and returned
+    as float32 [T, T_kv].
+    """
+    t_q, heads, _ = q.shape
+    t_kv = k.shape[0]
+    out = torch.empty(t_q, t_kv, dtype=torch.float32, device=q.device)
+    kf = k.to(dtype)
+    cols = torch.arange(t_kv, device=q.device)
+    step = _query_chunk(heads, t_kv)
+    for t0 in range(0, t_q, step):
+        t1 = min(t_q, t0 + step)
+        s = torch.einsum("thd,sd->ths", q[t0:t1].to(dtype), kf).relu_()
+        logits = torch.einsum("ths,th->ts", s, weights[t0:t1].to(dtype))
+        inside = (cols >= starts[t0:t1, None]) & (cols < ends[t0:t1, None])
+        out[t0:t1] = torch.where(inside, logits, float("-inf")).to(torch.float32)
+    return out
+
+
+def _gathered_scores(q, k, weights, indices, dtype):
+    """Per-head pre-activation scores [t, H, topk] at the selected columns (clamped -1 -> 0)."""
+    keys = k.to(dtype)[indices.clamp(min=0).long()]  # [t, topk, D]
+    return torch.einsum("thd,tjd->thj", q.to(dtype), keys)
+
+
+def indexer_topk_scores_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The indexer score at ``indices`` [T, topk] (int32, -1 padding): float32 [T, topk], -inf at -1."""
+    t_q, heads, d = q.shape
+    topk = indices.shape[1]
+    out = torch.empty(t_q, topk, dtype=torch.float32, device=q.device)
+    step = _query_chunk(1, topk * (d + heads))
+    for t0 in range(0, t_q, step):
+        t1 = min(t_q, t0 + step)
+        idx = indices[t0:t1]
+        s = _gathered_scores(q[t0:t1], k, weights, idx, dtype).relu_()
+        score = torch.einsum("thj,th->tj", s, weights[t0:t1].to(dtype))
+        out[t0:t1] = torch.where(idx >= 0, score, float("-inf")).to(torch.float32)
+    return out
+
+
+def indexer_topk_scores_backward_reference(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`indexer_topk_scores_reference` w.r.t. q, k and weights.
+
+    The scores are recomputed from q, k and the indices; -1 slots contribute nothing and a
+    duplicated index contributes once per occurrence. Returns (dq in q.dtype, dk in k.dtype,
+    dweights float32).
+    """
+    t_q, heads, d = q.shape
+    topk = indices.shape[1]
+    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dw = torch.empty(weights.shape, dtype=dtype, device=q.device)
+    kf = k.to(dtype)
+    step = _query_chunk(1, topk * (d + heads))
+    for t0 in range(0, t_q, step):
+        t1 = min(t_q, t0 + step)
+        idx = indices[t0:t1]
+        valid = idx >= 0
+        g = torch.where(valid, grad[t0:t1].to(dtype), 0)  # [t, topk]
+        s = _gathered_scores(q[t0:t1], k, weights, idx, dtype)  # [t, H, topk]
+        dw[t0:t1] = torch.einsum("thj,tj->th", s.relu(), g)
+        ds = (s > 0).to(dtype) * weights[t0:t1].to(dtype)[:, :, None] * g[:, None, :]
+        keys = kf[idx.clamp(min=0).long()]
+        dq[t0:t1] = torch.einsum("thj,tjd->thd", ds, keys)
+        dkeys = torch.einsum("thj,thd->tjd", ds, q[t0:t1].to(dtype))
+        dk.index_add_(0, idx.clamp(min=0).reshape(-1).long(), dkeys.reshape(-1, d))
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(torch.float32)

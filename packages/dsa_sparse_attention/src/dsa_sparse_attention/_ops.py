@@ -1,0 +1,157 @@
+"""``sparse_attention``: validation, the ``dsa_sparse_attention::*`` custom ops, autograd, dispatch."""
+
+from __future__ import annotations
+
+import torch
+from kernel_common import Lookup, check_int, check_tensor, device_arch
+
+from dsa_sparse_attention import reference
+from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG, SparseAttentionConfig
+
+def resolve_config(
+    q: torch.Tensor, d_v: int, config: SparseAttentionConfig | None
+) -> Lookup[SparseAttentionConfig]:
+    """The config a call uses and where it came from (CPU tensors always use the torch backend)."""
+    arch = device_arch(q.device)
+    if arch.vendor == "cpu":
+        return Lookup(config if config is not None else TORCH_CONFIG, "cpu" if config is None else "caller", ())
+    return CONFIG_TABLE.lookup(
+        config, arch_major=arch.major, rope_tail=q.shape[-1] > d_v, heads=q.shape[2]
+    )
+
+
+def _check_indices(kv: torch.Tensor, indices: torch.Tensor) -> None:
+    """The torch backend rejects indices outside [-1, S_kv) (the GPU kernels treat them as padding)."""
+    bad = (indices < -1) | (indices >= kv.shape[1])
+    if bool(bad.any()):
+        raise ValueError(
+            f"sparse_attention: indices must lie in [-1, S_kv={kv.shape[1]}); "
+            f"found {int(bad.sum())} entries outside it"
+        )
+
+
+@torch.library.custom_op("dsa_sparse_attention::forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    attn_sink: torch.Tensor | None,
+    sm_scale: float,
+    d_v: int,
+    config: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = SparseAttentionConfig.from_json(config)
+    assert cfg.forward_backend == "torch"
+    _check_indices(kv, indices)
+    return reference.sparse_attention_forward_reference(q, kv, indices, sm_scale, d_v, attn_sink)
+
+
+@_forward_op.register_fake
+def _(q, kv, indices, attn_sink, sm_scale, d_v, config):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, d_v)), q.new_empty((b, s, h), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsa_sparse_attention::backward", mutates_args=())
+def _backward_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_sink: torch.Tensor | None,
+    sm_scale: float,
+    d_v: int,
+    config: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # dsink comes back as an empty tensor without a sink: custom ops cannot return None.
+    cfg = SparseAttentionConfig.from_json(config)
+    assert cfg.backward_backend == "torch"
+    dq, dkv, dsink = reference.sparse_attention_backward_reference(
+        dout, dlse, q, kv, indices, lse, sm_scale, d_v, attn_sink
+    )
+    return dq, dkv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _(dout, dlse, q, kv, indices, out, lse, attn_sink, sm_scale, d_v, config):
+    h = attn_sink.shape[0] if attn_sink is not None else 0
+    return torch.empty_like(q), torch.empty_like(kv), q.new_empty(h, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, indices, attn_sink, sm_scale, d_v, config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, indices, attn_sink, out, lse)
+    ctx.sm_scale, ctx.d_v, ctx.config = sm_scale, d_v, config
+
+
+def _backward(ctx, dout, dlse):
+    q, kv, indices, attn_sink, out, lse = ctx.saved_tensors
+    dq, dkv, dsink = _backward_op(
+        dout.contiguous(), dlse, q, kv, indices, out, lse, attn_sink, ctx.sm_scale, ctx.d_v, ctx.config
+    )
+    return dq, dkv, None, dsink if attn_sink is not None else None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    d_v: int | None = None,
+    attn_sink: torch.Tensor | None = None,
+    config: SparseAttentionConfig | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA-style sparse attention of each query over its selected keys.
+
+    Args:
+        q: bfloat16 ``[B, S, H, D]``, ``D = d_v + d_tail`` (the RoPE tail last).
+        kv: bfloat16 ``[B, S_kv, G, D]``: K is the whole row, V its first ``d_v`` columns (MLA in
+            absorbed form). Query head ``h`` reads group ``h // (H // G)``; ``H % G == 0``.
+        indices: int32 ``[B, S, G, topk]``, ``topk >= 1``: key rows in ``[-1, S_kv)``, -1 is
+            padding (anywhere in the row). Duplicates count once per occurrence.
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        d_v: value width, default ``min(D, 512)``; ``1 <= d_v <= D``.
+        attn_sink: float32 ``[H]`` or None: a learnable per-head logit added to the softmax
+            denominator only (it has no value).
+        config: a :class:`SparseAttentionConfig`; default from the measured table.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out`` bfloat16 ``[B, S, H, d_v]`` and, with ``return_lse``, ``lse`` float32
+        ``[B, S, H]`` (natural log, sink included; -inf for a row with no valid index and no
+        sink). A row whose indices are all -1 gives exactly 0 and finite gradients.
+        Differentiable w.r.t. q, kv and attn_sink (and through lse).
+    """
+    op = "sparse_attention"
+    check_tensor(op, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
+    b, s, h, d = q.shape
+    check_tensor(op, "kv", kv, dtypes=(torch.bfloat16,), shape=[b, None, None, d], layout=f"[B={b}, S_kv, G, D={d}]", device=q.device)
+    g = kv.shape[2]
+    if g < 1 or h % g != 0:
+        raise ValueError(f"{op}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])")
+    check_tensor(op, "indices", indices, dtypes=(torch.int32,), shape=[b, s, g, None], layout=f"[B={b}, S={s}, G={g}, topk]", device=q.device)
+    if indices.shape[-1] < 1:
+        raise ValueError(f"{op}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}")
+    if d_v is None:
+        d_v = min(d, 512)
+    check_int(op, "d_v", d_v, minimum=1)
+    if d_v > d:
+        raise ValueError(f"{op}: d_v={d_v} must not exceed the q/kv width D={d}")
+    if attn_sink is not None:
+        check_tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), shape=[h], layout=f"[H={h}]", device=q.device)
+    if config is not None and not isinstance(config, SparseAttentionConfig):
+        raise TypeError(f"{op}: config must be a SparseAttentionConfig, got {type(config).__name__}")
+    if sm_scale is None:
+        sm_scale = reference.default_sm_scale(d)
+    chosen = resolve_config(q, d_v, config).config
+    out, lse = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, chosen.to_json())
+    return (out, lse) if return_lse else out
