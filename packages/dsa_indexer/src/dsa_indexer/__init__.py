@@ -1,4 +1,4 @@
-"""Lightning indexer of DeepSeek Sparse Attention: logits, differentiable top-k scores, causal ranges."""
+"""DeepSeek Sparse Attention lightning indexer: logits, differentiable top-k scores, ranges."""
 
 from dsa_indexer._ops import indexer_logits, indexer_topk_scores, lightning_indexer
 from dsa_indexer.ranges import causal_ranges

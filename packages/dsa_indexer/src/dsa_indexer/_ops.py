@@ -1,4 +1,4 @@
-"""Public indexer entries: validation, ``dsa_indexer::*`` custom ops, fake impls, autograd, dispatch."""
+"""Public indexer entries: validation, ``dsa_indexer::*`` custom ops, autograd, dispatch."""
 
 from __future__ import annotations
 
@@ -14,21 +14,36 @@ _OP_INPUTS = (torch.bfloat16,)
 def _check_qkw(op: str, q, k, weights) -> None:
     check_tensor(op, "q", q, dtypes=_OP_INPUTS, shape=[None, None, None], layout="[T, H, D]")
     t_q, heads, d = q.shape
-    check_tensor(op, "k", k, dtypes=_OP_INPUTS, shape=[None, d], layout=f"[T_kv, D={d}]", device=q.device)
     check_tensor(
-        op, "weights", weights, dtypes=(torch.float32,), shape=[t_q, heads], layout=f"[T={t_q}, H={heads}]", device=q.device
+        op, "k", k, dtypes=_OP_INPUTS, shape=[None, d], layout=f"[T_kv, D={d}]", device=q.device
+    )
+    check_tensor(
+        op,
+        "weights",
+        weights,
+        dtypes=(torch.float32,),
+        shape=[t_q, heads],
+        layout=f"[T={t_q}, H={heads}]",
+        device=q.device,
     )
 
 
 def _check_ranges(op: str, q, starts, ends) -> None:
     t_q = q.shape[0]
     for name, t in (("starts", starts), ("ends", ends)):
-        check_tensor(op, name, t, dtypes=(torch.int32,), shape=[t_q], layout=f"[T={t_q}]", device=q.device)
+        check_tensor(
+            op, name, t, dtypes=(torch.int32,), shape=[t_q], layout=f"[T={t_q}]", device=q.device
+        )
 
 
 @torch.library.custom_op("dsa_indexer::indexer_logits", mutates_args=())
 def _indexer_logits_op(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, clean: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    clean: bool,
 ) -> torch.Tensor:
     # The reference always writes -inf outside the ranges, which satisfies clean=False too.
     return reference.indexer_logits_reference(q, k, weights, starts, ends)
@@ -79,7 +94,9 @@ def _check_indices(q, k, indices) -> None:
 
 
 @torch.library.custom_op("dsa_indexer::indexer_topk_scores", mutates_args=())
-def _topk_scores_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def _topk_scores_op(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
     _check_indices(q, k, indices)
     return reference.indexer_topk_scores_reference(q, k, weights, indices)
 
@@ -91,7 +108,11 @@ def _(q, k, weights, indices):
 
 @torch.library.custom_op("dsa_indexer::indexer_topk_scores_backward", mutates_args=())
 def _topk_scores_backward_op(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return reference.indexer_topk_scores_backward_reference(grad, q, k, weights, indices)
 
@@ -132,9 +153,19 @@ def indexer_topk_scores(
     """
     op = "indexer_topk_scores"
     _check_qkw(op, q, k, weights)
-    check_tensor(op, "indices", indices, dtypes=(torch.int32,), shape=[q.shape[0], None], layout=f"[T={q.shape[0]}, topk]", device=q.device)
+    check_tensor(
+        op,
+        "indices",
+        indices,
+        dtypes=(torch.int32,),
+        shape=[q.shape[0], None],
+        layout=f"[T={q.shape[0]}, topk]",
+        device=q.device,
+    )
     if indices.shape[1] < 1:
-        raise ValueError(f"{op}: indices must have topk >= 1 columns, got shape {list(indices.shape)}")
+        raise ValueError(
+            f"{op}: indices must have topk >= 1 columns, got shape {list(indices.shape)}"
+        )
     return _topk_scores_op(q, k, weights, indices)
 
 

@@ -33,9 +33,19 @@ def causal_ranges(
         packed key index space. A query that sees no compressed key yet gets an empty range.
     """
     op = "causal_ranges"
-    check_tensor(op, "cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), shape=[None], layout="[N + 1]")
+    check_tensor(
+        op,
+        "cu_seqlens",
+        cu_seqlens,
+        dtypes=(torch.int32, torch.int64),
+        shape=[None],
+        layout="[N + 1]",
+    )
     if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"causal_ranges: cu_seqlens must have shape [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
+        raise ValueError(
+            f"causal_ranges: cu_seqlens must have shape [N + 1] with N >= 1, "
+            f"got {list(cu_seqlens.shape)}"
+        )
     check_int(op, "total", total, minimum=0)
     check_int(op, "ratio", ratio, minimum=1)
     check_int(op, "query_offset", query_offset, minimum=0)

@@ -1,10 +1,12 @@
-"""Torch references for the lightning indexer (pure PyTorch, fp32 math by default, bounded memory)."""
+"""Torch references for the lightning indexer (pure PyTorch, fp32 math, bounded memory)."""
 
 from __future__ import annotations
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 26  # query chunk size so that the [t, H, T_kv] temporary stays ~256 MB in fp32
+_CHUNK_ELEMENTS = (
+    1 << 26
+)  # query chunk size so that the [t, H, T_kv] temporary stays ~256 MB in fp32
 
 
 def _query_chunk(heads: int, width: int) -> int:
@@ -20,14 +22,16 @@ def indexer_logits_reference(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` inside ``[starts[t], ends[t])``, -inf outside.
+    """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` in ``[starts[t], ends[t])``.
+
+    -inf outside the range.
 
     q [T, H, D], k [T_kv, D], weights [T, H], starts/ends [T]; computed in ``dtype`` and returned
-    as float32 [T, T_kv].
+    as float32 [T, T_kv] (float64 when ``dtype`` is float64, for gradchecks).
     """
     t_q, heads, _ = q.shape
     t_kv = k.shape[0]
-    out = torch.empty(t_q, t_kv, dtype=torch.float32, device=q.device)
+    out = torch.empty(t_q, t_kv, dtype=torch.promote_types(dtype, torch.float32), device=q.device)
     kf = k.to(dtype)
     cols = torch.arange(t_kv, device=q.device)
     step = _query_chunk(heads, t_kv)
@@ -36,7 +40,7 @@ def indexer_logits_reference(
         s = torch.einsum("thd,sd->ths", q[t0:t1].to(dtype), kf).relu_()
         logits = torch.einsum("ths,th->ts", s, weights[t0:t1].to(dtype))
         inside = (cols >= starts[t0:t1, None]) & (cols < ends[t0:t1, None])
-        out[t0:t1] = torch.where(inside, logits, float("-inf")).to(torch.float32)
+        out[t0:t1] = torch.where(inside, logits, float("-inf"))
     return out
 
 
@@ -54,17 +58,20 @@ def indexer_topk_scores_reference(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The indexer score at ``indices`` [T, topk] (int32, -1 padding): float32 [T, topk], -inf at -1."""
+    """The indexer score at ``indices`` [T, topk] (int32, -1 padding), -inf at -1.
+
+    float32 [T, topk] (float64 when ``dtype`` is float64).
+    """
     t_q, heads, d = q.shape
     topk = indices.shape[1]
-    out = torch.empty(t_q, topk, dtype=torch.float32, device=q.device)
+    out = torch.empty(t_q, topk, dtype=torch.promote_types(dtype, torch.float32), device=q.device)
     step = _query_chunk(1, topk * (d + heads))
     for t0 in range(0, t_q, step):
         t1 = min(t_q, t0 + step)
         idx = indices[t0:t1]
         s = _gathered_scores(q[t0:t1], k, weights, idx, dtype).relu_()
         score = torch.einsum("thj,th->tj", s, weights[t0:t1].to(dtype))
-        out[t0:t1] = torch.where(idx >= 0, score, float("-inf")).to(torch.float32)
+        out[t0:t1] = torch.where(idx >= 0, score, float("-inf"))
     return out
 
 
@@ -102,4 +109,4 @@ def indexer_topk_scores_backward_reference(
         dq[t0:t1] = torch.einsum("thj,tjd->thd", ds, keys)
         dkeys = torch.einsum("thj,thd->tjd", ds, q[t0:t1].to(dtype))
         dk.index_add_(0, idx.clamp(min=0).reshape(-1).long(), dkeys.reshape(-1, d))
-    return dq.to(q.dtype), dk.to(k.dtype), dw.to(torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(torch.promote_types(dtype, torch.float32))

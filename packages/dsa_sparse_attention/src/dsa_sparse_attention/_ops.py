@@ -1,4 +1,4 @@
-"""``sparse_attention``: validation, the ``dsa_sparse_attention::*`` custom ops, autograd, dispatch."""
+"""``sparse_attention``: validation, ``dsa_sparse_attention::*`` custom ops, autograd, dispatch."""
 
 from __future__ import annotations
 
@@ -8,20 +8,34 @@ from kernel_common import Lookup, check_int, check_tensor, device_arch
 from dsa_sparse_attention import reference
 from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG, SparseAttentionConfig
 
+
 def resolve_config(
     q: torch.Tensor, d_v: int, config: SparseAttentionConfig | None
 ) -> Lookup[SparseAttentionConfig]:
     """The config a call uses and where it came from (CPU tensors always use the torch backend)."""
     arch = device_arch(q.device)
     if arch.vendor == "cpu":
-        return Lookup(config if config is not None else TORCH_CONFIG, "cpu" if config is None else "caller", ())
+        return Lookup(
+            config if config is not None else TORCH_CONFIG,
+            "cpu" if config is None else "caller",
+            (),
+        )
     return CONFIG_TABLE.lookup(
         config, arch_major=arch.major, rope_tail=q.shape[-1] > d_v, heads=q.shape[2]
     )
 
 
+def _config_from_op_arg(q: torch.Tensor, d_v: int, config: str) -> SparseAttentionConfig:
+    """The ops take the caller's config as JSON, or "" for the table's choice for these inputs.
+
+    Resolving inside the op keeps arch detection out of torch.compile's trace.
+    """
+    caller = SparseAttentionConfig.from_json(config) if config else None
+    return resolve_config(q, d_v, caller).config
+
+
 def _check_indices(kv: torch.Tensor, indices: torch.Tensor) -> None:
-    """The torch backend rejects indices outside [-1, S_kv) (the GPU kernels treat them as padding)."""
+    """The torch backend rejects indices outside [-1, S_kv) (GPU kernels treat them as padding)."""
     bad = (indices < -1) | (indices >= kv.shape[1])
     if bool(bad.any()):
         raise ValueError(
@@ -40,7 +54,7 @@ def _forward_op(
     d_v: int,
     config: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = SparseAttentionConfig.from_json(config)
+    cfg = _config_from_op_arg(q, d_v, config)
     assert cfg.forward_backend == "torch"
     _check_indices(kv, indices)
     return reference.sparse_attention_forward_reference(q, kv, indices, sm_scale, d_v, attn_sink)
@@ -67,7 +81,7 @@ def _backward_op(
     config: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dsink comes back as an empty tensor without a sink: custom ops cannot return None.
-    cfg = SparseAttentionConfig.from_json(config)
+    cfg = _config_from_op_arg(q, d_v, config)
     assert cfg.backward_backend == "torch"
     dq, dkv, dsink = reference.sparse_attention_backward_reference(
         dout, dlse, q, kv, indices, lse, sm_scale, d_v, attn_sink
@@ -91,7 +105,17 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, kv, indices, attn_sink, out, lse = ctx.saved_tensors
     dq, dkv, dsink = _backward_op(
-        dout.contiguous(), dlse, q, kv, indices, out, lse, attn_sink, ctx.sm_scale, ctx.d_v, ctx.config
+        dout.contiguous(),
+        dlse,
+        q,
+        kv,
+        indices,
+        out,
+        lse,
+        attn_sink,
+        ctx.sm_scale,
+        ctx.d_v,
+        ctx.config,
     )
     return dq, dkv, None, dsink if attn_sink is not None else None, None, None, None
 
@@ -134,24 +158,54 @@ def sparse_attention(
     op = "sparse_attention"
     check_tensor(op, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
     b, s, h, d = q.shape
-    check_tensor(op, "kv", kv, dtypes=(torch.bfloat16,), shape=[b, None, None, d], layout=f"[B={b}, S_kv, G, D={d}]", device=q.device)
+    check_tensor(
+        op,
+        "kv",
+        kv,
+        dtypes=(torch.bfloat16,),
+        shape=[b, None, None, d],
+        layout=f"[B={b}, S_kv, G, D={d}]",
+        device=q.device,
+    )
     g = kv.shape[2]
     if g < 1 or h % g != 0:
-        raise ValueError(f"{op}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])")
-    check_tensor(op, "indices", indices, dtypes=(torch.int32,), shape=[b, s, g, None], layout=f"[B={b}, S={s}, G={g}, topk]", device=q.device)
+        raise ValueError(
+            f"{op}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
+        )
+    check_tensor(
+        op,
+        "indices",
+        indices,
+        dtypes=(torch.int32,),
+        shape=[b, s, g, None],
+        layout=f"[B={b}, S={s}, G={g}, topk]",
+        device=q.device,
+    )
     if indices.shape[-1] < 1:
-        raise ValueError(f"{op}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}")
+        raise ValueError(
+            f"{op}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
+        )
     if d_v is None:
         d_v = min(d, 512)
     check_int(op, "d_v", d_v, minimum=1)
     if d_v > d:
         raise ValueError(f"{op}: d_v={d_v} must not exceed the q/kv width D={d}")
     if attn_sink is not None:
-        check_tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), shape=[h], layout=f"[H={h}]", device=q.device)
+        check_tensor(
+            op,
+            "attn_sink",
+            attn_sink,
+            dtypes=(torch.float32,),
+            shape=[h],
+            layout=f"[H={h}]",
+            device=q.device,
+        )
     if config is not None and not isinstance(config, SparseAttentionConfig):
-        raise TypeError(f"{op}: config must be a SparseAttentionConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"{op}: config must be a SparseAttentionConfig, got {type(config).__name__}"
+        )
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)
-    chosen = resolve_config(q, d_v, config).config
-    out, lse = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, chosen.to_json())
+    config_arg = config.to_json() if config is not None else ""
+    out, lse = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, config_arg)
     return (out, lse) if return_lse else out

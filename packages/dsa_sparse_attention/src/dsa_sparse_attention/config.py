@@ -1,4 +1,4 @@
-"""SparseAttentionConfig and the measured table that picks it per (arch, RoPE tail, TP-local heads)."""
+"""SparseAttentionConfig and the measured table keyed by (arch, RoPE tail, TP-local heads)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,27 @@ class SparseAttentionConfig:
                 f"SparseAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS}, "
                 f"got {self.backward_backend!r}"
             )
-        for name in ("block_i", "forward_threads", "forward_stages", "backward_stages", "split_store"):
+        for name in (
+            "block_i",
+            "forward_threads",
+            "forward_stages",
+            "backward_stages",
+            "split_store",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SparseAttentionConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"SparseAttentionConfig.{name} must be a positive int, got {value!r}"
+                )
+
+        # Precomputed so that torch.compile reads an attribute instead of tracing json.dumps.
+        object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return self._json
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def from_json(text: str) -> SparseAttentionConfig:
         return SparseAttentionConfig(**json.loads(text))
 

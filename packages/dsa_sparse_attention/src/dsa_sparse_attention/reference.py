@@ -41,9 +41,7 @@ def _gather(kv, idx):
     """kv [b, S_kv, G, D] at idx [b, c, G, topk] (clamped) -> [b, c, G, topk, D]."""
     b, c, g, topk = idx.shape
     flat = idx.clamp(min=0).long().permute(0, 2, 1, 3).reshape(b, g, c * topk)
-    rows = torch.gather(
-        kv.permute(0, 2, 1, 3), 2, flat[..., None].expand(-1, -1, -1, kv.shape[-1])
-    )
+    rows = torch.gather(kv.permute(0, 2, 1, 3), 2, flat[..., None].expand(-1, -1, -1, kv.shape[-1]))
     return rows.reshape(b, g, c, topk, -1).permute(0, 2, 1, 3, 4)
 
 
@@ -57,12 +55,16 @@ def sparse_attention_forward_reference(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out [B, S, H, d_v] in q.dtype, lse [B, S, H] float32 natural log)``."""
+    """Forward: ``(out [B, S, H, d_v] in q.dtype, lse [B, S, H] float32 natural log)``.
+
+    ``dtype`` is the compute precision; with float64 (gradchecks) lse is float64 too.
+    """
     b, s, h, d = q.shape
     g, topk = kv.shape[2], indices.shape[-1]
     hg = h // g
     out = torch.empty(b, s, h, d_v, dtype=q.dtype, device=q.device)
-    lse_out = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    lse_out = torch.empty(b, s, h, dtype=acc_dtype, device=q.device)
     kvf = kv.to(dtype)
     sink = attn_sink.to(dtype).reshape(g, hg) if attn_sink is not None else None
     step = _chunk(s, g, topk, d)
@@ -76,7 +78,7 @@ def sparse_attention_forward_reference(
         p = _probs(sc, lse)
         o = torch.einsum("bcghj,bcgjd->bcghd", p, keys[..., :d_v])
         out[:, c0:c1] = o.reshape(b, c1 - c0, h, d_v).to(q.dtype)
-        lse_out[:, c0:c1] = lse.reshape(b, c1 - c0, h).to(torch.float32)
+        lse_out[:, c0:c1] = lse.reshape(b, c1 - c0, h)
     return out, lse_out
 
 
@@ -97,7 +99,7 @@ def sparse_attention_backward_reference(
 
     ``dlse`` [B, S, H] (or None) is the gradient reaching the lse output: since
     ``d lse / d s_j = p_j`` it folds into ``delta = rowsum(o * do) - dlse``. dq and dkv come back
-    in the input dtypes, dsink in float32.
+    in the input dtypes, dsink in float32 (float64 when ``dtype`` is).
     """
     b, s, h, d = q.shape
     g, topk, s_kv = kv.shape[2], indices.shape[-1], kv.shape[1]
@@ -136,7 +138,9 @@ def sparse_attention_backward_reference(
     return (
         dq.to(q.dtype),
         dkv.permute(0, 2, 1, 3).to(kv.dtype),
-        dsink.reshape(h).to(torch.float32) if dsink is not None else None,
+        dsink.reshape(h).to(torch.promote_types(dtype, torch.float32))
+        if dsink is not None
+        else None,
     )
 
 

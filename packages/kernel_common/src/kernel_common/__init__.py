@@ -1,4 +1,4 @@
-"""Shared core of the DSA kernel packages: arch detection, config tables, test and timing helpers."""
+"""Shared core of the DSA kernel packages: arch detection, config tables, test/timing helpers."""
 
 from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, tilelang_target
 from kernel_common.config import ConfigTable, KeyField, Lookup, heads_bucket, next_pow2

@@ -1,4 +1,4 @@
-"""GPU architecture detection: lazy, cached per device, overridable for tests and compile-only runs."""
+"""GPU arch detection: lazy, cached per device, overridable for tests and compile-only runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 ARCH_ENV = "KERNEL_COMMON_ARCH"
-"""Environment override, e.g. ``sm_90``, ``sm_100``, ``gfx942`` or ``cpu``: pretend to be that arch."""
+"""Environment override (``sm_90``, ``sm_100``, ``gfx942``, ``cpu``): pretend to be that arch."""
 
 _VENDORS = ("cuda", "rocm", "cpu")
 
@@ -84,7 +84,7 @@ def device_arch(device: torch.device | str | int | None = None) -> Arch:
     return _query_cuda(index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _query_cuda(index: int) -> Arch:
     major, minor = torch.cuda.get_device_capability(index)
     vendor = "rocm" if torch.version.hip else "cuda"

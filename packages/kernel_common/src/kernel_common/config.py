@@ -40,7 +40,7 @@ class Row(Generic[C]):
 
 @dataclass(frozen=True)
 class Lookup(Generic[C]):
-    """What :meth:`ConfigTable.lookup` chose: the config, where it came from and the bucketed key."""
+    """What :meth:`ConfigTable.lookup` chose: the config, its source and the bucketed key."""
 
     config: C
     source: str
@@ -106,7 +106,7 @@ class ConfigTable(Generic[C]):
         return tuple((f.name, f.apply(values[f.name])) for f in self.fields)
 
     def lookup(self, config: C | None = None, **values: Any) -> Lookup[C]:
-        """The config for these field values: ``config`` if given, else the row, else the default."""
+        """The config for these field values: ``config`` if given, else the row, else default."""
         key = self.key(**values)
         if config is not None:
             self._check_config(config, "the caller's config")

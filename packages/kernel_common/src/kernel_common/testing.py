@@ -24,7 +24,8 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _nonfinite(t: torch.Tensor) -> str:
     if not t.is_floating_point():
         return "integer"
-    return f"nan={int(torch.isnan(t).sum())} +inf={int(torch.isposinf(t).sum())} -inf={int(torch.isneginf(t).sum())}"
+    nan, pinf, ninf = (int(f(t).sum()) for f in (torch.isnan, torch.isposinf, torch.isneginf))
+    return f"nan={nan} +inf={pinf} -inf={ninf}"
 
 
 def assert_close(
@@ -53,13 +54,18 @@ def assert_close(
         return
     err = (af - ef).abs()
     flat = int(err.argmax()) if err.numel() else 0
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape)) if err.numel() else ()
+    where = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+        if err.numel()
+        else ()
+    )
     raise AssertionError(
         f"{name}: rel_diff {rd:.3e} (bar {max_rel_diff:.1e}); max abs error "
         f"{float(err.max()) if err.numel() else 0.0:.4e} at {where} "
         f"(actual {float(af[where]) if err.numel() else 0.0:.6g}, expected "
         f"{float(ef[where]) if err.numel() else 0.0:.6g}); non-finite pattern "
-        f"{'matches' if same_pattern else 'DIFFERS'}: actual {_nonfinite(a)}, expected {_nonfinite(e)}"
+        f"{'matches' if same_pattern else 'DIFFERS'}: "
+        f"actual {_nonfinite(a)}, expected {_nonfinite(e)}"
     )
 
 

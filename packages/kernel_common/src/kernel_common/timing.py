@@ -1,4 +1,4 @@
-"""GPU timing: median of CUDA-event timings after warm-up, optionally flushing L2 before each run."""
+"""GPU timing: median of CUDA-event timings after warm-up, optionally flushing L2 first."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by every public entry: each failure names the argument and what was expected."""
+"""Argument checks for every public entry: each failure names the argument and what was expected."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def check_tensor(
         raise TypeError(f"{op}: {name} must be a {want}torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{op}: {name} must have dtype {names}, got {str(t.dtype).removeprefix('torch.')}")
+        raise TypeError(
+            f"{op}: {name} must have dtype {names}, got {str(t.dtype).removeprefix('torch.')}"
+        )
     if shape is not None:
         bad = t.dim() != len(shape) or any(
             s is not None and t.shape[i] != s for i, s in enumerate(shape)
@@ -39,7 +41,9 @@ def check_tensor(
                 f"got {list(t.shape)}"
             )
     if device is not None and t.device != device:
-        raise ValueError(f"{op}: {name} is on {t.device}, expected {device} (the device of the inputs)")
+        raise ValueError(
+            f"{op}: {name} is on {t.device}, expected {device} (the device of the inputs)"
+        )
     return t
 
 

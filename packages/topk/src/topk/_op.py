@@ -17,8 +17,16 @@ def _ranged_topk_op(
     lead, n = scores.shape[:-1], scores.shape[-1]
     flat = scores.reshape(-1, n)
     rows = flat.shape[0]
-    lo = starts.reshape(rows) if starts is not None else torch.zeros(rows, dtype=torch.int32, device=scores.device)
-    hi = ends.reshape(rows) if ends is not None else torch.full((rows,), n, dtype=torch.int32, device=scores.device)
+    lo = (
+        starts.reshape(rows)
+        if starts is not None
+        else torch.zeros(rows, dtype=torch.int32, device=scores.device)
+    )
+    hi = (
+        ends.reshape(rows)
+        if ends is not None
+        else torch.full((rows,), n, dtype=torch.int32, device=scores.device)
+    )
     # Ranges are clipped to the row so that no backend can be asked to read outside it.
     lo = lo.clamp(0, n)
     hi = hi.clamp(0, n)
@@ -53,10 +61,20 @@ def ranged_topk(
     op = "ranged_topk"
     check_tensor(op, "scores", scores, dtypes=_SCORE_DTYPES)
     if scores.dim() < 1:
-        raise ValueError(f"{op}: scores must have shape [..., N] with at least one dimension, got []")
+        raise ValueError(
+            f"{op}: scores must have shape [..., N] with at least one dimension, got []"
+        )
     check_int(op, "k", k, minimum=1)
     lead = list(scores.shape[:-1])
     for name, t in (("starts", starts), ("ends", ends)):
         if t is not None:
-            check_tensor(op, name, t, dtypes=(torch.int32,), shape=lead, layout=f"{lead} (scores.shape[:-1])", device=scores.device)
+            check_tensor(
+                op,
+                name,
+                t,
+                dtypes=(torch.int32,),
+                shape=lead,
+                layout=f"{lead} (scores.shape[:-1])",
+                device=scores.device,
+            )
     return _ranged_topk_op(scores, k, starts, ends)

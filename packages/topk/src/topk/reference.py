@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 25  # rows are processed in chunks of ~32M scores (a few hundred MB of temporaries)
+_CHUNK_ELEMENTS = (
+    1 << 25
+)  # rows are processed in chunks of ~32M scores (a few hundred MB of temporaries)
 
 
 def ranged_topk_reference(
     scores: torch.Tensor, k: int, starts: torch.Tensor, ends: torch.Tensor
 ) -> torch.Tensor:
-    """Exact ranged top-k of 2-D ``scores`` [R, N] with per-row half-open ranges ``starts``/``ends`` [R].
+    """Exact ranged top-k of ``scores`` [R, N] over half-open row ranges ``starts``/``ends`` [R].
 
     Out-of-range columns are masked before anything looks at them, -inf and NaN are never chosen,
     ties keep the smaller column (a stable descending sort), and the chosen columns come back in

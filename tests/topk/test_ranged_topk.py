@@ -1,0 +1,158 @@
+"""ranged_topk semantics against an independent per-row formulation written here."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from topk import ranged_topk
+
+
+def naive_topk(scores, k, starts, ends):
+    """Per-row: rank in-range finite-or-+inf columns by (-value, column), keep k, sort columns."""
+    out = []
+    for r in range(scores.shape[0]):
+        row = scores[r].tolist()
+        cols = [
+            c
+            for c in range(max(0, int(starts[r])), min(len(row), int(ends[r])))
+            if not math.isnan(row[c]) and row[c] != -math.inf
+        ]
+        best = sorted(sorted(cols, key=lambda c: (-row[c], c))[:k])
+        out.append(best + [-1] * (k - len(best)))
+    return torch.tensor(out, dtype=torch.int32).reshape(scores.shape[0], k)
+
+
+def ranges(rows, n, gen):
+    a = torch.randint(0, n + 1, (rows,), generator=gen)
+    b = torch.randint(0, n + 1, (rows,), generator=gen)
+    return torch.minimum(a, b).int(), torch.maximum(a, b).int()
+
+
+@pytest.mark.parametrize("k", [1, 5, 17, 64])
+def test_random_rows_with_ranges(k):
+    gen = torch.Generator().manual_seed(k)
+    scores = torch.randn(40, 50, generator=gen)
+    lo, hi = ranges(40, 50, gen)
+    assert torch.equal(ranged_topk(scores, k, lo, hi), naive_topk(scores, k, lo, hi))
+
+
+def test_ties_keep_the_smaller_column():
+    scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5, 2.0], [3.0] * 6])
+    out = ranged_topk(scores, 3)
+    assert out.tolist() == [[1, 2, 3], [0, 1, 2]]
+    lo = torch.tensor([2, 1], dtype=torch.int32)
+    hi = torch.tensor([6, 6], dtype=torch.int32)
+    assert ranged_topk(scores, 2, lo, hi).tolist() == [[2, 3], [1, 2]]
+
+
+def test_many_values_equal_to_the_kth():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 4, (16, 200), generator=gen).float()
+    lo, hi = ranges(16, 200, gen)
+    assert torch.equal(ranged_topk(scores, 37, lo, hi), naive_topk(scores, 37, lo, hi))
+
+
+def test_neg_inf_and_nan_never_selected_pos_inf_is():
+    inf, nan = math.inf, math.nan
+    scores = torch.tensor([[-inf, nan, 1.0, inf, -inf, nan]])
+    assert ranged_topk(scores, 4).tolist() == [[2, 3, -1, -1]]
+    mostly = torch.full((8, 100), -inf)
+    mostly[:, ::10] = torch.randn(8, 10)
+    assert torch.equal(ranged_topk(mostly, 20), naive_topk(mostly, 20, [0] * 8, [100] * 8))
+
+
+def test_garbage_outside_ranges_is_never_selected():
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(6, 30, generator=gen)
+    lo = torch.tensor([0, 5, 10, 3, 29, 12], dtype=torch.int32)
+    hi = torch.tensor([4, 20, 10, 30, 30, 13], dtype=torch.int32)
+    clean = ranged_topk(scores, 8, lo, hi)
+    dirty = scores.clone()
+    cols = torch.arange(30)
+    outside = (cols < lo[:, None]) | (cols >= hi[:, None])
+    dirty[outside] = torch.tensor([math.nan, math.inf, 1e30])[torch.arange(int(outside.sum())) % 3]
+    assert torch.equal(ranged_topk(dirty, 8, lo, hi), clean)
+    assert clean[2].tolist() == [-1] * 8  # empty range
+
+
+def test_exactly_k_fewer_than_k_and_k_larger_than_row():
+    scores = torch.randn(3, 10)
+    lo = torch.tensor([0, 0, 0], dtype=torch.int32)
+    hi = torch.tensor([4, 3, 10], dtype=torch.int32)
+    out = ranged_topk(scores, 4, lo, hi)
+    assert out[0].tolist() == [0, 1, 2, 3]
+    assert out[1].tolist() == [0, 1, 2, -1]
+    wide = ranged_topk(scores, 25)
+    assert wide[:, :10].tolist() == [list(range(10))] * 3 and (wide[:, 10:] == -1).all()
+
+
+def test_ranges_are_clipped_to_the_row():
+    scores = torch.randn(2, 6)
+    lo = torch.tensor([-5, 4], dtype=torch.int32)
+    hi = torch.tensor([2, 100], dtype=torch.int32)
+    assert torch.equal(ranged_topk(scores, 3, lo, hi), naive_topk(scores, 3, lo, hi))
+
+
+def test_leading_dims_strides_and_half_inputs():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 3, 64, generator=gen)
+    wide = torch.randn(2, 3, 100, generator=gen)
+    wide[..., :64] = base
+    view = wide[..., :64]
+    assert not view.is_contiguous()
+    expected = ranged_topk(base, 9)
+    assert expected.shape == (2, 3, 9)
+    assert torch.equal(ranged_topk(view, 9), expected)
+    for dt in (torch.float16, torch.bfloat16):
+        half = base.to(dt)
+        assert torch.equal(ranged_topk(half, 9), ranged_topk(half.float(), 9))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    n=st.integers(1, 40),
+    k=st.integers(1, 50),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_against_naive(rows, n, k, levels, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (rows, n), generator=gen).float()
+    scores[torch.rand(rows, n, generator=gen) < 0.2] = -math.inf
+    scores[torch.rand(rows, n, generator=gen) < 0.1] = math.nan
+    lo, hi = ranges(rows, n, gen)
+    assert torch.equal(ranged_topk(scores, k, lo, hi), naive_topk(scores, k, lo, hi))
+
+
+def test_validation_messages():
+    s = torch.randn(4, 8)
+    i32 = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="scores must have dtype float32"):
+        ranged_topk(s.double(), 2)
+    with pytest.raises(TypeError, match="scores must be a"):
+        ranged_topk([1.0], 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        ranged_topk(s, 0)
+    with pytest.raises(TypeError, match="k must be an int"):
+        ranged_topk(s, 2.0)
+    with pytest.raises(TypeError, match="starts must have dtype int32"):
+        ranged_topk(s, 2, i32.long(), i32)
+    with pytest.raises(ValueError, match=r"ends must have shape .*got \[5\]"):
+        ranged_topk(s, 2, i32, torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        ranged_topk(torch.tensor(1.0), 1)
+
+
+def test_opcheck_and_compile():
+    s = torch.randn(5, 33)
+    lo, hi = ranges(5, 33, torch.Generator().manual_seed(4))
+    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, lo, hi))
+    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, None, None))
+    compiled = torch.compile(ranged_topk, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(s, 7, lo, hi), ranged_topk(s, 7, lo, hi))
+    s2 = torch.randn(9, 41)
+    lo2, hi2 = ranges(9, 41, torch.Generator().manual_seed(5))
+    assert torch.equal(compiled(s2, 7, lo2, hi2), ranged_topk(s2, 7, lo2, hi2))
