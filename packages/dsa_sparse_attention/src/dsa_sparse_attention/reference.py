@@ -37,6 +37,13 @@ def _probs(s, lse):
     return torch.where(torch.isneginf(s), 0.0, torch.exp(s - lse[..., None]))
 
 
+def _live_columns(idx):
+    """Drop index columns that are -1 in every row of the chunk (causal windows shorter than
+    topk leave long -1 tails): they are masked anyway, and gathering them dominates the time."""
+    live = (idx >= 0).flatten(0, 2).any(0)
+    return idx if bool(live.all()) else idx[..., live]
+
+
 def _gather(kv, idx):
     """kv [b, S_kv, G, D] at idx [b, c, G, topk] (clamped) -> [b, c, G, topk, D]."""
     b, c, g, topk = idx.shape
@@ -70,7 +77,7 @@ def sparse_attention_forward_reference(
     step = _chunk(s, g, topk, d)
     for c0 in range(0, s, step):
         c1 = min(s, c0 + step)
-        idx = indices[:, c0:c1]
+        idx = _live_columns(indices[:, c0:c1])
         keys = _gather(kvf, idx)
         qc = q[:, c0:c1].to(dtype).reshape(b, c1 - c0, g, hg, d)
         sc = _scores(qc, keys, idx >= 0, sm_scale)
@@ -102,18 +109,19 @@ def sparse_attention_backward_reference(
     in the input dtypes, dsink in float32 (float64 when ``dtype`` is).
     """
     b, s, h, d = q.shape
-    g, topk, s_kv = kv.shape[2], indices.shape[-1], kv.shape[1]
+    g, s_kv = kv.shape[2], kv.shape[1]
     hg = h // g
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)
     dkv = torch.zeros(b, g, s_kv, d, dtype=dtype, device=q.device)
     dsink = torch.zeros(g, hg, dtype=dtype, device=q.device) if attn_sink is not None else None
     kvf = kv.to(dtype)
     sink = attn_sink.to(dtype).reshape(g, hg) if attn_sink is not None else None
-    step = _chunk(s, g, topk, d)
+    step = _chunk(s, g, indices.shape[-1], d)
     for c0 in range(0, s, step):
         c1 = min(s, c0 + step)
         n = c1 - c0
-        idx = indices[:, c0:c1]
+        idx = _live_columns(indices[:, c0:c1])
+        topk = idx.shape[-1]
         keys = _gather(kvf, idx)
         qc = q[:, c0:c1].to(dtype).reshape(b, n, g, hg, d)
         do = dout[:, c0:c1].to(dtype).reshape(b, n, g, hg, d_v)
