@@ -52,13 +52,13 @@ def test_device_mismatch():
 
 def test_opcheck():
     q, k, w, s, e = make()
-    torch.library.opcheck(torch.ops.dsa_indexer.indexer_logits.default, (q, k, w, s, e, True))
+    torch.library.opcheck(torch.ops.dsa_indexer.indexer_logits.default, (q, k, w, s, e, True, ""))
     idx = torch.randint(-1, 12, (12, 5), dtype=torch.int32)
     qq, kk, ww = (x.clone().requires_grad_() for x in (q, k, w))
-    torch.library.opcheck(torch.ops.dsa_indexer.indexer_topk_scores.default, (qq, kk, ww, idx))
+    torch.library.opcheck(torch.ops.dsa_indexer.indexer_topk_scores.default, (qq, kk, ww, idx, ""))
     g = torch.randn(12, 5)
     torch.library.opcheck(
-        torch.ops.dsa_indexer.indexer_topk_scores_backward.default, (g, q, k, w, idx)
+        torch.ops.dsa_indexer.indexer_topk_scores_backward.default, (g, q, k, w, idx, "")
     )
 
 

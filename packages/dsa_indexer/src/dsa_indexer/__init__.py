@@ -1,7 +1,14 @@
 """DeepSeek Sparse Attention lightning indexer: logits, differentiable top-k scores, ranges."""
 
 from dsa_indexer._ops import indexer_logits, indexer_topk_scores, lightning_indexer
+from dsa_indexer.config import IndexerConfig
 from dsa_indexer.ranges import causal_ranges
 
-__all__ = ["causal_ranges", "indexer_logits", "indexer_topk_scores", "lightning_indexer"]
+__all__ = [
+    "IndexerConfig",
+    "causal_ranges",
+    "indexer_logits",
+    "indexer_topk_scores",
+    "lightning_indexer",
+]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ from kernel_common import check_int, check_tensor
 from topk import ranged_topk
 
 from dsa_indexer import reference
+from dsa_indexer.config import IndexerConfig, resolve_indexer_config
 
 _OP_INPUTS = (torch.bfloat16,)
 
@@ -36,6 +37,21 @@ def _check_ranges(op: str, q, starts, ends) -> None:
         )
 
 
+def _config_arg(op: str, config: IndexerConfig | None) -> str:
+    """The ops take the caller's config as JSON, or "" for the table's choice."""
+    if config is None:
+        return ""
+    if not isinstance(config, IndexerConfig):
+        raise TypeError(f"{op}: config must be an IndexerConfig, got {type(config).__name__}")
+    return config.to_json()
+
+
+def _resolve(q: torch.Tensor, config: str) -> IndexerConfig:
+    # Resolved inside the ops so that arch detection stays out of torch.compile's trace.
+    caller = IndexerConfig.from_json(config) if config else None
+    return resolve_indexer_config(q.device, q.shape[1], caller).config
+
+
 @torch.library.custom_op("dsa_indexer::indexer_logits", mutates_args=())
 def _indexer_logits_op(
     q: torch.Tensor,
@@ -44,13 +60,19 @@ def _indexer_logits_op(
     starts: torch.Tensor,
     ends: torch.Tensor,
     clean: bool,
+    config: str,
 ) -> torch.Tensor:
+    cfg = _resolve(q, config)
+    if cfg.backend == "triton":
+        from dsa_indexer._triton import indexer_logits_triton
+
+        return indexer_logits_triton(q, k, weights, starts, ends, clean, config=cfg)
     # The reference always writes -inf outside the ranges, which satisfies clean=False too.
     return reference.indexer_logits_reference(q, k, weights, starts, ends)
 
 
 @_indexer_logits_op.register_fake
-def _(q, k, weights, starts, ends, clean):
+def _(q, k, weights, starts, ends, clean, config):
     return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
@@ -62,6 +84,7 @@ def indexer_logits(
     ends: torch.Tensor,
     *,
     clean: bool = True,
+    config: IndexerConfig | None = None,
 ) -> torch.Tensor:
     """Lightning-indexer logits of every query against every key of its range.
 
@@ -72,6 +95,7 @@ def indexer_logits(
         starts, ends: int32 ``[T]``: the half-open key range of each query.
         clean: write -inf outside each range; with ``clean=False`` entries outside the ranges
             are undefined and only a range-aware consumer (:func:`topk.ranged_topk`) may read it.
+        config: an :class:`IndexerConfig`; default from the measured per-arch table.
 
     Returns:
         float32 ``[T, T_kv]``: ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` for ``s`` in range.
@@ -80,7 +104,7 @@ def indexer_logits(
     op = "indexer_logits"
     _check_qkw(op, q, k, weights)
     _check_ranges(op, q, starts, ends)
-    return _indexer_logits_op(q, k, weights, starts, ends, bool(clean))
+    return _indexer_logits_op(q, k, weights, starts, ends, bool(clean), _config_arg(op, config))
 
 
 def _check_indices(q, k, indices) -> None:
@@ -95,14 +119,19 @@ def _check_indices(q, k, indices) -> None:
 
 @torch.library.custom_op("dsa_indexer::indexer_topk_scores", mutates_args=())
 def _topk_scores_op(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, config: str
 ) -> torch.Tensor:
+    cfg = _resolve(q, config)
+    if cfg.backend == "triton":
+        from dsa_indexer._triton import indexer_topk_scores_triton
+
+        return indexer_topk_scores_triton(q, k, weights, indices, config=cfg)
     _check_indices(q, k, indices)
     return reference.indexer_topk_scores_reference(q, k, weights, indices)
 
 
 @_topk_scores_op.register_fake
-def _(q, k, weights, indices):
+def _(q, k, weights, indices, config):
     return q.new_empty(indices.shape, dtype=torch.float32)
 
 
@@ -113,38 +142,52 @@ def _topk_scores_backward_op(
     k: torch.Tensor,
     weights: torch.Tensor,
     indices: torch.Tensor,
+    config: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = _resolve(q, config)
+    if cfg.backend == "triton":
+        from dsa_indexer._triton import indexer_topk_scores_backward_triton
+
+        return indexer_topk_scores_backward_triton(grad, q, k, weights, indices, config=cfg)
     return reference.indexer_topk_scores_backward_reference(grad, q, k, weights, indices)
 
 
 @_topk_scores_backward_op.register_fake
-def _(grad, q, k, weights, indices):
+def _(grad, q, k, weights, indices, config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights, dtype=torch.float32)
 
 
 def _scores_setup_context(ctx, inputs, output):
-    q, k, weights, indices = inputs
+    q, k, weights, indices, config = inputs
     ctx.save_for_backward(q, k, weights, indices)
+    ctx.config = config
 
 
 def _scores_backward(ctx, grad):
     q, k, weights, indices = ctx.saved_tensors
-    dq, dk, dw = _topk_scores_backward_op(grad.contiguous(), q, k, weights, indices)
-    return dq, dk, dw, None
+    dq, dk, dw = _topk_scores_backward_op(grad.contiguous(), q, k, weights, indices, ctx.config)
+    return dq, dk, dw, None, None
 
 
 _topk_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup_context)
 
 
 def indexer_topk_scores(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    config: IndexerConfig | None = None,
 ) -> torch.Tensor:
     """The indexer score at selected key columns, differentiable w.r.t. q, k and weights.
 
     Args:
         q, k, weights: as in :func:`indexer_logits`.
         indices: int32 ``[T, topk]`` key columns in ``[-1, T_kv)``, -1 for padding (duplicates
-            allowed: each occurrence counts).
+            allowed: each occurrence counts). GPU kernels treat values outside it as padding;
+            the torch backend rejects them.
+        config: an :class:`IndexerConfig`; default from the measured per-arch table.
 
     Returns:
         float32 ``[T, topk]``: the same value :func:`indexer_logits` gives at those columns,
@@ -166,7 +209,7 @@ def indexer_topk_scores(
         raise ValueError(
             f"{op}: indices must have topk >= 1 columns, got shape {list(indices.shape)}"
         )
-    return _topk_scores_op(q, k, weights, indices)
+    return _topk_scores_op(q, k, weights, indices, _config_arg(op, config))
 
 
 def lightning_indexer(
@@ -176,6 +219,8 @@ def lightning_indexer(
     starts: torch.Tensor,
     ends: torch.Tensor,
     topk: int,
+    *,
+    config: IndexerConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer logits -> exact ranged top-k -> differentiable scores, with no host sync.
 
@@ -188,7 +233,8 @@ def lightning_indexer(
     _check_qkw(op, q, k, weights)
     _check_ranges(op, q, starts, ends)
     check_int(op, "topk", topk, minimum=1)
+    config_arg = _config_arg(op, config)
     with torch.no_grad():
-        logits = _indexer_logits_op(q, k, weights, starts, ends, False)
+        logits = _indexer_logits_op(q, k, weights, starts, ends, False, config_arg)
         indices = ranged_topk(logits, topk, starts, ends)
-    return _topk_scores_op(q, k, weights, indices), indices
+    return _topk_scores_op(q, k, weights, indices, config_arg), indices

@@ -1,0 +1,367 @@
+"""Benchmark of the Triton indexer kernels on one GPU (H200 figures in DESIGN.md).
+
+    python benchmarks/bench_indexer.py [--out DIR] [--sweep]
+
+Cases: T in {4k, 16k, 64k, 128k} tokens, H = 32, D = 128; one causal sequence, and 8 packed
+causal sequences of equal length. For each case:
+
+* forward: ``indexer_logits`` with ``clean=False`` (what ``lightning_indexer`` runs) and with
+  ``clean=True``; TFLOP/s over the in-range (query, key) pairs, 2 * H * D flops each, and the
+  fraction of the measured bf16 peak (812 TFLOP/s). Bar: >= 400 TFLOP/s from 16k on.
+* backward of the top-k scores, topk = 2048: indices are stratified random columns of each causal
+  window (one random key in each 1/topk-th of the window: distinct, ascending, spread over the
+  whole window like a real top-k), with a -1 tail where the window holds fewer than topk keys.
+  Time of the whole wrapper (scratch zeroing, kernel, dk cast) against its memory floor: the
+  gathered key rows (topk * D * 2 bytes per query) + q + dq + dk + dweights at 4.26 TB/s.
+  Bar: within 3x of the floor.
+* the torch reference at 4k only (it is slow), after checking the kernels against it there.
+
+Writes ``indexer.csv`` and ``indexer.png`` under ``--out`` (default ``benchmarks/results``).
+``--sweep`` instead times candidate tilings per head count at 16k tokens and prints the best,
+as rows for ``dsa_indexer.config.INDEXER_CONFIGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import gc
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from dsa_indexer import causal_ranges, reference
+from dsa_indexer._triton.logits import indexer_logits_into
+from dsa_indexer._triton.topk_scores import (
+    indexer_topk_scores_backward_triton,
+    indexer_topk_scores_triton,
+)
+from dsa_indexer.config import resolve_indexer_config
+from kernel_common.testing import rel_diff
+from kernel_common.timing import cuda_time_ms
+
+PEAK_TFLOPS = 812.0
+HBM_TBPS = 4.26
+FWD_BAR_TFLOPS = 400.0
+BWD_BAR_X_FLOOR = 3.0
+HEADS, DIM, TOPK = 32, 128, 2048
+TOKENS = (4096, 16384, 65536, 131072)
+LAYOUTS = {"causal": 1, "packed8": 8}
+
+
+def make_inputs(t, heads, d, n_seq, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(t, heads, d, device=device, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, d, device=device, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, heads, device=device, generator=g) / heads**0.5
+    cu = torch.arange(0, t + 1, t // n_seq, device=device, dtype=torch.int32)
+    starts, ends = causal_ranges(cu, t)
+    return q, k, w, starts, ends, g
+
+
+def stratified_indices(starts, ends, topk, g):
+    """int32 [T, topk]: one random key per 1/topk-th of each window, -1 where it is too short.
+
+    Stratum j of a window of length L >= topk is ``[start + j*L//topk, start + (j+1)*L//topk)``,
+    at least one key wide, so the picks are distinct and ascending.
+    """
+    length = (ends - starts).long()[:, None]
+    first = starts.long()[:, None]
+    j = torch.arange(topk, device=starts.device)
+    lo = first + j * length // topk
+    width = first + (j + 1) * length // topk - lo
+    u = torch.rand(starts.shape[0], topk, device=starts.device, generator=g)
+    pick = lo + (u * width).long().clamp(max=width - 1)
+    # A window shorter than topk: all of its keys, then -1.
+    idx = torch.where(length >= topk, pick, torch.where(j < length, first + j, -1))
+    return idx.to(torch.int32)
+
+
+def check(name, actual, expected, bar=1e-5):
+    a, e = actual.double(), expected.double()
+    if not torch.equal(torch.isinf(a), torch.isinf(e)) or bool(torch.isnan(a).any()):
+        raise AssertionError(f"{name}: non-finite pattern differs from the reference")
+    finite = torch.isfinite(e)
+    rd = rel_diff(a[finite], e[finite])
+    if rd > bar:
+        raise AssertionError(f"{name}: rel_diff {rd:.3e} > {bar:.0e}")
+    return rd
+
+
+def bwd_floor_ms(t, t_kv, heads, d, topk):
+    gathered = t * topk * d * 2
+    q_bytes = t * heads * d * 2
+    outputs = t * heads * d * 2 + t_kv * d * 2 + t * heads * 4
+    return (gathered + q_bytes + outputs) / (HBM_TBPS * 1e12) * 1e3
+
+
+def reps(t):
+    return {"warmup": 2, "rep": 5} if t >= 65536 else {"warmup": 3, "rep": 10}
+
+
+def run_case(layout, t, config, rows):
+    n_seq = LAYOUTS[layout]
+    q, k, w, starts, ends, g = make_inputs(t, HEADS, DIM, n_seq)
+    pairs = int((ends - starts).clamp(min=0).sum())
+    flops = 2.0 * HEADS * DIM * pairs
+    logits = torch.empty(t, t, dtype=torch.float32, device=q.device)
+    row = {"layout": layout, "T": t, "pairs": pairs}
+
+    if t == TOKENS[0]:
+        indexer_logits_into(logits, q, k, w, starts, ends, True, config=config)
+        ref = reference.indexer_logits_reference(q, k, w, starts, ends)
+        row["fwd_rel_diff"] = check("logits", logits, ref)
+        del ref
+
+    fwd = cuda_time_ms(
+        partial(indexer_logits_into, logits, q, k, w, starts, ends, False, config=config), **reps(t)
+    )
+    fwd_clean = cuda_time_ms(
+        partial(indexer_logits_into, logits, q, k, w, starts, ends, True, config=config), **reps(t)
+    )
+    del logits
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    indices = stratified_indices(starts, ends, TOPK, g)
+    grad = torch.randn(indices.shape, device=q.device, generator=g)
+    if t == TOKENS[0]:
+        scores = indexer_topk_scores_triton(q, k, w, indices, config=config)
+        row["scores_rel_diff"] = check(
+            "scores", scores, reference.indexer_topk_scores_reference(q, k, w, indices)
+        )
+        got = indexer_topk_scores_backward_triton(grad, q, k, w, indices, config=config)
+        want = reference.indexer_topk_scores_backward_reference(grad, q, k, w, indices)
+        row["bwd_rel_diff"] = max(
+            check(n, a, b) for n, a, b in zip(("dq", "dk", "dweights"), got, want, strict=True)
+        )
+    bwd = cuda_time_ms(
+        partial(indexer_topk_scores_backward_triton, grad, q, k, w, indices, config=config),
+        **reps(t),
+    )
+    floor = bwd_floor_ms(t, t, HEADS, DIM, TOPK)
+    row.update(
+        fwd_ms=fwd,
+        fwd_tflops=flops / fwd / 1e9,
+        fwd_frac_peak=flops / fwd / 1e9 / PEAK_TFLOPS,
+        fwd_clean_ms=fwd_clean,
+        fwd_clean_tflops=flops / fwd_clean / 1e9,
+        bwd_ms=bwd,
+        bwd_floor_ms=floor,
+        bwd_x_floor=bwd / floor,
+    )
+    if t == TOKENS[0]:
+        row["ref_fwd_ms"] = cuda_time_ms(
+            partial(reference.indexer_logits_reference, q, k, w, starts, ends), warmup=1, rep=3
+        )
+        row["ref_bwd_ms"] = cuda_time_ms(
+            partial(reference.indexer_topk_scores_backward_reference, grad, q, k, w, indices),
+            warmup=1,
+            rep=3,
+        )
+    rows.append(row)
+    del q, k, w, starts, ends, indices, grad
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+COLUMNS = [
+    ("layout", "{}"),
+    ("T", "{}"),
+    ("fwd_ms", "{:.3f}"),
+    ("fwd_tflops", "{:.0f}"),
+    ("fwd_frac_peak", "{:.2f}"),
+    ("fwd_clean_ms", "{:.3f}"),
+    ("bwd_ms", "{:.3f}"),
+    ("bwd_floor_ms", "{:.3f}"),
+    ("bwd_x_floor", "{:.2f}"),
+    ("ref_fwd_ms", "{:.1f}"),
+    ("ref_bwd_ms", "{:.1f}"),
+]
+
+
+def print_table(rows):
+    head = [c for c, _ in COLUMNS]
+    cells = [[fmt.format(r[c]) if c in r else "-" for c, fmt in COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(x[i]) for x in cells)) for i, h in enumerate(head)]
+    print("  ".join(h.rjust(wd) for h, wd in zip(head, widths, strict=True)))
+    for x in cells:
+        print("  ".join(v.rjust(wd) for v, wd in zip(x, widths, strict=True)))
+
+
+def write_csv(rows, path: Path):
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: Path):
+    def value(text):
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+
+def plot(rows, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_f, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    for layout in LAYOUTS:
+        rs = [r for r in rows if r["layout"] == layout]
+        ts = [r["T"] for r in rs]
+        ax_f.plot(ts, [r["fwd_tflops"] for r in rs], "o-", label=f"{layout}, clean=False")
+        ax_f.plot(ts, [r["fwd_clean_tflops"] for r in rs], "x--", label=f"{layout}, clean=True")
+        ax_b.plot(ts, [r["bwd_x_floor"] for r in rs], "o-", label=layout)
+    ax_f.axhline(FWD_BAR_TFLOPS, color="gray", ls=":", label="bar 400")
+    ax_f.axhline(PEAK_TFLOPS, color="black", ls=":", label="bf16 peak 812")
+    ax_f.set(xscale="log", xlabel="tokens", ylabel="TFLOP/s (in-range pairs)", ylim=(0, 900))
+    ax_f.set_title(f"indexer logits, H={HEADS} D={DIM}")
+    ax_b.axhline(BWD_BAR_X_FLOOR, color="gray", ls=":", label="bar 3x")
+    ax_b.set(xscale="log", xlabel="tokens", ylabel="time / memory floor", ylim=(0, None))
+    ax_b.set_title(f"top-k scores backward, topk={TOPK}")
+    for ax in (ax_f, ax_b):
+        ax.set_xticks(TOKENS, [f"{t // 1024}k" for t in TOKENS])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# Candidate tilings for --sweep (configs that do not fit a GPU fail to launch and are skipped).
+LOGITS_CANDIDATES = [
+    (128, 64, 4, 2),
+    (128, 128, 8, 2),
+    (128, 128, 4, 3),
+    (256, 64, 4, 2),
+    (256, 64, 4, 3),
+    (256, 128, 8, 2),
+    (256, 128, 8, 3),
+]
+BACKWARD_CANDIDATES = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2)]
+SCORES_CANDIDATES = [(32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 8, 3)]
+
+
+def _best(label, candidates, fields, base, fn):
+    """Time ``fn(config)`` for each candidate (values of ``fields`` over ``base``): the fastest."""
+    best = None
+    for cand in candidates:
+        cfg = dataclasses.replace(base, **dict(zip(fields, cand, strict=True)))
+        try:
+            ms = cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5)
+        except Exception as e:  # resource limits of this GPU: report and move on
+            print(f"  {label} {cand}: skipped ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        print(f"  {label} {cand}: {ms:.3f} ms")
+        if best is None or ms < best[1]:
+            best = (cand, ms)
+    return best
+
+
+LOGITS_FIELDS = ("logits_block_rows", "logits_block_n", "logits_num_warps", "logits_num_stages")
+SCORES_FIELDS = ("scores_block_k", "scores_num_warps", "scores_num_stages")
+BACKWARD_FIELDS = ("backward_block_k", "backward_num_warps", "backward_num_stages")
+
+
+def sweep(t=16384):
+    for heads in (8, 16, 32, 64):
+        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        q, k, w, starts, ends, g = make_inputs(t, heads, DIM, 1)
+        logits = torch.empty(t, t, dtype=torch.float32, device="cuda")
+        indices = stratified_indices(starts, ends, TOPK, g)
+        grad = torch.randn(indices.shape, device="cuda", generator=g)
+        print(f"heads={heads}, T={t}, causal:")
+        best = [
+            _best(
+                "logits (rows, block_n, warps, stages)",
+                LOGITS_CANDIDATES,
+                LOGITS_FIELDS,
+                base,
+                partial(indexer_logits_into, logits, q, k, w, starts, ends, False),
+            ),
+            _best(
+                "scores (block_k, warps, stages)",
+                SCORES_CANDIDATES,
+                SCORES_FIELDS,
+                base,
+                partial(indexer_topk_scores_triton, q, k, w, indices),
+            ),
+            _best(
+                "backward (block_k, warps, stages)",
+                BACKWARD_CANDIDATES,
+                BACKWARD_FIELDS,
+                base,
+                partial(indexer_topk_scores_backward_triton, grad, q, k, w, indices),
+            ),
+        ]
+        if all(best):
+            values = {}
+            for fields, (cand, _) in zip(
+                (LOGITS_FIELDS, SCORES_FIELDS, BACKWARD_FIELDS), best, strict=True
+            ):
+                values.update(zip(fields, cand, strict=True))
+            print(f"  best for heads={heads}: {dataclasses.replace(base, **values)}")
+        del q, k, w, starts, ends, logits, indices, grad
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="time candidate tilings instead")
+    parser.add_argument(
+        "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        plot(read_csv(args.plot), args.out / "indexer.png")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_indexer.py needs a CUDA GPU (or --plot CSV)")
+    if args.sweep:
+        sweep()
+        return
+    lookup = resolve_indexer_config(torch.device("cuda"), HEADS)
+    print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")
+    rows = []
+    start = time.time()
+    for t in TOKENS:
+        for layout in LAYOUTS:
+            run_case(layout, t, lookup.config, rows)
+            r = rows[-1]
+            print(
+                f"{layout:8s} T={t:6d}: fwd {r['fwd_ms']:.3f} ms ({r['fwd_tflops']:.0f} TFLOP/s),"
+                f" bwd {r['bwd_ms']:.3f} ms ({r['bwd_x_floor']:.2f}x floor)"
+                f"  [{time.time() - start:.0f} s]",
+                flush=True,
+            )
+    write_csv(rows, args.out / "indexer.csv")
+    print(f"\nwrote {args.out / 'indexer.csv'}")
+    try:
+        plot(rows, args.out / "indexer.png")
+        print(f"wrote {args.out / 'indexer.png'}")
+    except ImportError:  # a GPU host without matplotlib: draw it later with --plot
+        print("matplotlib missing: redraw the PNG elsewhere with --plot indexer.csv")
+    print(f"bars: forward >= {FWD_BAR_TFLOPS:.0f} TFLOP/s from 16k on; backward <= 3x floor\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

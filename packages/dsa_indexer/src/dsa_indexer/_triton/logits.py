@@ -1,0 +1,199 @@
+"""Triton kernel for the indexer logits over per-query key ranges.
+
+One program owns ``BLOCK_M`` consecutive queries and scans only the union of their key ranges
+(``min start .. max end``) in ``BLOCK_N``-key tiles. The ``BLOCK_M * HP`` (query, head) pairs
+form the N side of one tensor-core product per tile, ``k_tile [BLOCK_N, D] @ q_blockᵀ [D,
+BLOCK_M * HP]``, so that the head reduction runs along the accumulator's columns: inside each
+thread and across the lanes of a quad, with no trip through shared memory (with queries on the
+M side it would cross warps). ``HP`` is the head count padded to a power of two; padded heads
+have zero q and zero weight, so they add exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa_indexer._triton._common import check_head_dim, interpreted
+from dsa_indexer.config import IndexerConfig, table_config
+
+# -inf tile of the fill path: about this many fp32 per store instruction batch.
+_FILL_ELEMENTS = 4096
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    starts_ptr,
+    ends_ptr,
+    out_ptr,
+    T,
+    T_kv,
+    stride_k,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FILL_N: tl.constexpr,
+    CLEAN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # Causal (and packed, CP-shifted or compressed) ranges grow with the query index, so
+    # launching the last query block first runs the longest programs first and leaves the
+    # short ones to fill the tail of the grid.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    t0 = pid * BLOCK_M
+
+    offs_m = t0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    st = tl.load(starts_ptr + offs_m, mask=row_ok, other=0)
+    en = tl.load(ends_ptr + offs_m, mask=row_ok, other=0)
+    st = tl.maximum(st, 0)
+    en = tl.minimum(en, T_kv)
+    # Empty rows (and rows past T) must not widen the union.
+    live = row_ok & (st < en)
+    lo = tl.min(tl.where(live, st, T_kv), axis=0)
+    hi = tl.max(tl.where(live, en, 0), axis=0)
+    out_rows = out_ptr + offs_m.to(tl.int64) * T_kv  # T * T_kv exceeds 2^31
+
+    if CLEAN:
+        # Columns outside the union are -inf for every row of the block: plain stores, no math.
+        hi_fill = tl.maximum(hi, lo)
+        neg_tile = tl.full((BLOCK_M, FILL_N), float("-inf"), tl.float32)
+        for c0 in range(0, lo, FILL_N):
+            cols = c0 + tl.arange(0, FILL_N)
+            tl.store(
+                out_rows[:, None] + cols[None, :],
+                neg_tile,
+                mask=row_ok[:, None] & (cols < lo)[None, :],
+            )
+        for c0 in range(hi_fill, T_kv, FILL_N):
+            cols = c0 + tl.arange(0, FILL_N)
+            tl.store(
+                out_rows[:, None] + cols[None, :],
+                neg_tile,
+                mask=row_ok[:, None] & (cols < T_kv)[None, :],
+            )
+
+    # The (query, head) rows of this block, loaded once and kept for every key tile.
+    r = tl.arange(0, BLOCK_M * HP)
+    r_t = t0 + r // HP
+    r_h = r % HP
+    r_ok = (r_t < T) & (r_h < H)
+    offs_d = tl.arange(0, D)
+    q_rows = q_ptr + (r_t.to(tl.int64) * H + r_h) * D
+    qb = tl.load(q_rows[:, None] + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+    wb = tl.load(w_ptr + r_t.to(tl.int64) * H + r_h, mask=r_ok, other=0.0)
+    if DOT_FP32:
+        # The interpreter has no bf16 matmul (see _common.interpreted).
+        qb = qb.to(tl.float32)
+    qt = tl.trans(qb)
+
+    for s0 in range(lo, hi, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        kb = tl.load(
+            k_ptr + offs_n.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            kb = kb.to(tl.float32)
+        s = tl.dot(kb, qt)  # [BLOCK_N, BLOCK_M * HP], fp32 accumulation
+        s = tl.maximum(s, 0.0) * wb[None, :]
+        logits = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
+        inside = (offs_n[:, None] >= st[None, :]) & (offs_n[:, None] < en[None, :])
+        logits = tl.where(inside, logits, float("-inf"))
+        tl.store(
+            out_rows[None, :] + offs_n[:, None],
+            logits,
+            mask=row_ok[None, :] & col_ok[:, None],
+        )
+
+
+def indexer_logits_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    clean: bool,
+    *,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Indexer logits ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` over each query's key range.
+
+    Args:
+        q: bfloat16 ``[T, H, D]``, ``D`` a power of two >= 16 (64, 128); any ``H >= 1``.
+        k: bfloat16 ``[T_kv, D]`` (rows may be strided).
+        weights: float32 ``[T, H]``.
+        starts, ends: int32 ``[T]``, the half-open key range of each query; clamped to
+            ``[0, T_kv]``, and a range with ``start >= end`` is empty.
+        clean: write -inf at every column outside each row's range. With ``clean=False`` the
+            columns outside the union of a query block's ranges are left unwritten (the output
+            comes from ``torch.empty``); columns inside the union but outside a row's own range
+            are -inf either way.
+        config: tiling (``logits_*`` fields); ``None`` takes the table row for q's device.
+
+    Returns:
+        float32 ``[T, T_kv]``. Accumulation is fp32 over bf16 products on tensor cores. No host
+        synchronisation; the grid depends only on shapes.
+    """
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
+    indexer_logits_into(out, q, k, weights, starts, ends, clean, config=config)
+    return out
+
+
+def indexer_logits_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    clean: bool,
+    *,
+    config: IndexerConfig | None = None,
+) -> None:
+    """:func:`indexer_logits_triton` into a contiguous float32 ``[T, T_kv]`` buffer ``out``.
+
+    Entries the contract leaves unwritten keep their old value (tests poison ``out`` first).
+    Allocates nothing but contiguous copies of non-contiguous inputs.
+    """
+    cfg = config if config is not None else table_config(q.device, q.shape[1])
+    t_q, heads, d = q.shape
+    t_kv = k.shape[0]
+    check_head_dim("indexer_logits_triton", d)
+    if out.shape != (t_q, t_kv) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"indexer_logits_into: out must be contiguous float32 [{t_q}, {t_kv}]")
+    if t_q == 0 or t_kv == 0:
+        return
+    q = q.contiguous()
+    k = k if k.stride(1) == 1 else k.contiguous()
+    hp = triton.next_power_of_2(heads)
+    block_m = max(1, cfg.logits_block_rows // hp)
+    _indexer_logits_kernel[(triton.cdiv(t_q, block_m),)](
+        q,
+        k,
+        weights.contiguous(),
+        starts.contiguous(),
+        ends.contiguous(),
+        out,
+        t_q,
+        t_kv,
+        k.stride(0),
+        H=heads,
+        D=d,
+        HP=hp,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.logits_block_n,
+        FILL_N=max(16, _FILL_ELEMENTS // block_m),
+        CLEAN=bool(clean),
+        DOT_FP32=interpreted(q.device),
+        num_warps=cfg.logits_num_warps,
+        num_stages=cfg.logits_num_stages,
+    )

@@ -1,0 +1,154 @@
+"""IndexerConfig and the table that picks it per (arch major, TP-local heads bucket)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+from kernel_common import ConfigTable, KeyField, Lookup, device_arch, heads_bucket
+
+BACKENDS = ("triton", "torch")
+_NUM_WARPS = (1, 2, 4, 8, 16)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """How the indexer runs: backend and the Triton kernels' tiling.
+
+    Attributes:
+        backend: ``"triton"`` or ``"torch"`` (the reference; always used for CPU tensors).
+        logits_block_rows: (query, head) rows per logits program, ``BLOCK_M * next_pow2(H)``:
+            the N side of the per-tile tensor-core product, so ``BLOCK_M = rows // next_pow2(H)``
+            queries share each key tile (at least one). Power of two >= 16.
+        logits_block_n: keys per logits tile (the M side of the product). Power of two >= 16.
+        logits_num_warps, logits_num_stages: launch parameters of the logits kernel
+            (``num_stages`` is the software-pipelining depth of the key-tile loads).
+        scores_block_k: selected keys gathered per step by the top-k scores forward.
+        scores_num_warps, scores_num_stages: its launch parameters.
+        backward_block_k: selected keys gathered per step by the fused backward.
+        backward_num_warps, backward_num_stages: its launch parameters.
+    """
+
+    backend: str = "triton"
+    logits_block_rows: int = 128
+    logits_block_n: int = 64
+    logits_num_warps: int = 4
+    logits_num_stages: int = 3
+    scores_block_k: int = 64
+    scores_num_warps: int = 4
+    scores_num_stages: int = 3
+    backward_block_k: int = 64
+    backward_num_warps: int = 4
+    backward_num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"IndexerConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
+        for name in ("logits_block_rows", "logits_block_n", "scores_block_k", "backward_block_k"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < 16
+                or not _is_pow2(value)
+            ):
+                raise ValueError(
+                    f"IndexerConfig.{name} must be a power of two >= 16, got {value!r}"
+                )
+        for name in ("logits_num_warps", "scores_num_warps", "backward_num_warps"):
+            value = getattr(self, name)
+            if value not in _NUM_WARPS or isinstance(value, bool):
+                raise ValueError(f"IndexerConfig.{name} must be one of {_NUM_WARPS}, got {value!r}")
+        for name in ("logits_num_stages", "scores_num_stages", "backward_num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"IndexerConfig.{name} must be a positive int, got {value!r}")
+
+    def to_json(self) -> str:
+        """Stable text form (a custom op's string argument)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    @functools.cache
+    def from_json(text: str) -> IndexerConfig:
+        return IndexerConfig(**json.loads(text))
+
+
+TORCH_CONFIG = IndexerConfig(backend="torch")
+
+# Tiles that fit every CUDA arch Triton targets (about 80 KB of shared memory for D = 128).
+DEFAULT_CONFIG = IndexerConfig()
+
+_INITIAL = "initial guess, to be measured"
+
+
+def _hopper(heads: int) -> IndexerConfig:
+    # Logits: one warpgroup per CTA, so that two or three CTAs share an SM and one's epilogue
+    # (relu, weights, head sum, store) overlaps another's wgmma. 256 (query, head) rows reuse
+    # each key tile twice as often as 128 (keys stream from L2 at ~rows flop/byte) and keep the
+    # [64, 256] fp32 accumulator at 128 registers per thread (~250 in all with Triton 3.6: two
+    # CTAs per SM); at 8 and 16 heads 256 rows spill (more queries per tile, more output), so
+    # 128 (160-180 registers: two or three CTAs per SM).
+    # Backward: one query per program; 64 heads need 8 warps to stay clear of spills.
+    return IndexerConfig(
+        backend="triton",
+        logits_block_rows=128 if heads <= 16 else 256,
+        logits_block_n=64,
+        logits_num_warps=4,
+        logits_num_stages=2,
+        scores_block_k=64,
+        scores_num_warps=4,
+        scores_num_stages=3,
+        backward_block_k=64,
+        backward_num_warps=4 if heads <= 32 else 8,
+        backward_num_stages=2,
+    )
+
+
+INDEXER_CONFIGS: ConfigTable[IndexerConfig] = ConfigTable(
+    "indexer",
+    IndexerConfig,
+    [KeyField("arch_major"), KeyField("heads", heads_bucket)],
+    rows=[({"arch_major": 9, "heads": h}, _hopper(h), _INITIAL) for h in (8, 16, 32, 64)],
+    default=DEFAULT_CONFIG,
+)
+
+
+def resolve_indexer_config(
+    device: torch.device | str,
+    heads: int,
+    config: IndexerConfig | None = None,
+) -> Lookup[IndexerConfig]:
+    """The config for inputs on ``device`` with ``heads`` query heads.
+
+    CPU (any non-CUDA) tensors always get the torch reference, whatever ``config`` says, and
+    so do ROCm devices (the Triton kernels are neither tested nor sized for them: the sm_90
+    tiles exceed a CDNA workgroup's 64 KB of LDS). On a CUDA device: the caller's ``config``
+    if given, else the table row for (arch major, heads bucket), else the default. Arch
+    detection is lazy and cached (``KERNEL_COMMON_ARCH`` overrides it); nothing here
+    synchronises with the device.
+    """
+    device = torch.device(device)
+    arch = device_arch(device) if device.type == "cuda" else None
+    if arch is None or arch.vendor != "cuda":
+        key = INDEXER_CONFIGS.key(arch_major=arch.major if arch else 0, heads=heads)
+        where = "cpu tensors" if arch is None else f"{arch.sm}"
+        return Lookup(TORCH_CONFIG, f"{where}: torch reference", key)
+    return INDEXER_CONFIGS.lookup(config, arch_major=arch.major, heads=heads)
+
+
+def table_config(device: torch.device | str, heads: int) -> IndexerConfig:
+    """The table's tiling for ``device``, even where the backend would be torch (the Triton
+    interpreter on CPU tensors, or a direct call of the Triton functions)."""
+    device = torch.device(device)
+    major = device_arch(device).major if device.type == "cuda" else 0
+    return INDEXER_CONFIGS.lookup(arch_major=major, heads=heads).config
