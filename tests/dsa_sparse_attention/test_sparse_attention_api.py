@@ -64,9 +64,9 @@ def test_device_mismatch():
 def test_config_validation():
     with pytest.raises(ValueError, match="forward_backend must be one of"):
         SparseAttentionConfig(forward_backend="cudnn")
-    with pytest.raises(ValueError, match="block_i must be a positive int"):
-        SparseAttentionConfig(block_i=0)
-    cfg = SparseAttentionConfig(block_i=32)
+    with pytest.raises(ValueError, match="forward_block_i must be a positive int"):
+        SparseAttentionConfig(forward_block_i=0)
+    cfg = SparseAttentionConfig(forward_block_i=32, split_store=4)
     assert SparseAttentionConfig.from_json(cfg.to_json()) == cfg
 
 

@@ -88,29 +88,35 @@ TORCH_CONFIG = IndexerConfig(backend="torch")
 # Tiles that fit every CUDA arch Triton targets (about 80 KB of shared memory for D = 128).
 DEFAULT_CONFIG = IndexerConfig()
 
-_INITIAL = "initial guess, to be measured"
+_MEASURED = "measured H200 (bench_indexer.py --sweep, 16k causal tokens)"
+
+# Fastest candidates of the sweep per head count: (logits rows, block_n, warps, stages) and
+# (backward block_k, warps, stages); the scores forward was fastest at (64, 4, 3) for all.
+# Two or three one-warpgroup CTAs per SM overlap one's epilogue with another's wgmma; 256
+# (query, head) rows only pay off at 8 heads (more queries share a key tile) and at 64 heads
+# with a third stage.
+_SWEEP = {
+    8: ((256, 64, 4, 2), (64, 4, 3)),
+    16: ((128, 64, 4, 2), (64, 4, 3)),
+    32: ((128, 64, 4, 2), (64, 4, 3)),
+    64: ((256, 64, 4, 3), (64, 4, 2)),
+}
 
 
 def _hopper(heads: int) -> IndexerConfig:
-    # Logits: one warpgroup per CTA, so that two or three CTAs share an SM and one's epilogue
-    # (relu, weights, head sum, store) overlaps another's wgmma. 256 (query, head) rows reuse
-    # each key tile twice as often as 128 (keys stream from L2 at ~rows flop/byte) and keep the
-    # [64, 256] fp32 accumulator at 128 registers per thread (~250 in all with Triton 3.6: two
-    # CTAs per SM); at 8 and 16 heads 256 rows spill (more queries per tile, more output), so
-    # 128 (160-180 registers: two or three CTAs per SM).
-    # Backward: one query per program; 64 heads need 8 warps to stay clear of spills.
+    (rows, block_n, warps, stages), (bk, bwarps, bstages) = _SWEEP[heads]
     return IndexerConfig(
         backend="triton",
-        logits_block_rows=128 if heads <= 16 else 256,
-        logits_block_n=64,
-        logits_num_warps=4,
-        logits_num_stages=2,
+        logits_block_rows=rows,
+        logits_block_n=block_n,
+        logits_num_warps=warps,
+        logits_num_stages=stages,
         scores_block_k=64,
         scores_num_warps=4,
         scores_num_stages=3,
-        backward_block_k=64,
-        backward_num_warps=4 if heads <= 32 else 8,
-        backward_num_stages=2,
+        backward_block_k=bk,
+        backward_num_warps=bwarps,
+        backward_num_stages=bstages,
     )
 
 
@@ -118,7 +124,7 @@ INDEXER_CONFIGS: ConfigTable[IndexerConfig] = ConfigTable(
     "indexer",
     IndexerConfig,
     [KeyField("arch_major"), KeyField("heads", heads_bucket)],
-    rows=[({"arch_major": 9, "heads": h}, _hopper(h), _INITIAL) for h in (8, 16, 32, 64)],
+    rows=[({"arch_major": 9, "heads": h}, _hopper(h), _MEASURED) for h in _SWEEP],
     default=DEFAULT_CONFIG,
 )
 

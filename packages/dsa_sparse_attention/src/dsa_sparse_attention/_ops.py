@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from kernel_common import Lookup, check_int, check_tensor, device_arch
 
-from dsa_sparse_attention import reference
+from dsa_sparse_attention import _flash_mla, reference
 from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG, SparseAttentionConfig
+
+_LN2 = 0.6931471805599453  # the kernels keep lse in log2 space; the public lse is natural
 
 
 def resolve_config(
@@ -44,6 +46,26 @@ def _check_indices(kv: torch.Tensor, indices: torch.Tensor) -> None:
         )
 
 
+def forward_backend(q: torch.Tensor, kv: torch.Tensor, d_v: int, cfg: SparseAttentionConfig) -> str:
+    """The forward backend that actually runs: FlashMLA only where it is importable and supports
+    the shape (else TileLang on Hopper, else torch); torch for CPU tensors."""
+    arch = device_arch(q.device)
+    if q.device.type != "cuda":
+        return "torch"
+    backend = cfg.forward_backend
+    if backend == "flash_mla" and not (
+        _flash_mla.flash_mla_importable()
+        and _flash_mla.flash_mla_supports(arch.major, q.shape[2], kv.shape[2], q.shape[3], d_v)
+    ):
+        backend = "tilelang" if arch.is_hopper else "torch"
+    if backend == "tilelang" and not arch.is_hopper:
+        raise ValueError(
+            f"sparse_attention: the TileLang forward targets Hopper (sm_90a), not {arch.sm}; "
+            "pass SparseAttentionConfig(forward_backend='torch') or 'flash_mla'"
+        )
+    return backend
+
+
 @torch.library.custom_op("dsa_sparse_attention::forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor,
@@ -55,7 +77,27 @@ def _forward_op(
     config: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = _config_from_op_arg(q, d_v, config)
-    assert cfg.forward_backend == "torch"
+    backend = forward_backend(q, kv, d_v, cfg)
+    if backend == "flash_mla":
+        out, lse2 = _flash_mla.sparse_attention_forward_flash_mla(
+            q, kv, indices, attn_sink, sm_scale, d_v, device_arch(q.device).major
+        )
+        return out, lse2 * _LN2
+    if backend == "tilelang":
+        from dsa_sparse_attention._tilelang import sparse_attention_forward_tilelang
+
+        out, lse2 = sparse_attention_forward_tilelang(
+            q,
+            kv,
+            indices,
+            attn_sink,
+            sm_scale,
+            d_v,
+            block_i=cfg.forward_block_i,
+            threads=cfg.forward_threads,
+            num_stages=cfg.forward_stages,
+        )
+        return out, lse2 * _LN2
     _check_indices(kv, indices)
     return reference.sparse_attention_forward_reference(q, kv, indices, sm_scale, d_v, attn_sink)
 
@@ -82,10 +124,29 @@ def _backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dsink comes back as an empty tensor without a sink: custom ops cannot return None.
     cfg = _config_from_op_arg(q, d_v, config)
-    assert cfg.backward_backend == "torch"
-    dq, dkv, dsink = reference.sparse_attention_backward_reference(
-        dout, dlse, q, kv, indices, lse, sm_scale, d_v, attn_sink
-    )
+    if q.device.type == "cuda" and cfg.backward_backend == "tilelang":
+        from dsa_sparse_attention._tilelang import sparse_attention_backward_tilelang
+
+        dq, dkv, dsink = sparse_attention_backward_tilelang(
+            dout,
+            dlse,
+            q,
+            kv,
+            indices,
+            out,
+            lse / _LN2,
+            attn_sink,
+            sm_scale,
+            d_v,
+            block_i=cfg.backward_block_i,
+            num_stages=cfg.backward_stages,
+            split_store=cfg.split_store,
+            dkv_reduce=cfg.dkv_reduce,
+        )
+    else:
+        dq, dkv, dsink = reference.sparse_attention_backward_reference(
+            dout, dlse, q, kv, indices, lse, sm_scale, d_v, attn_sink
+        )
     return dq, dkv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 

@@ -121,7 +121,7 @@ def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device
         return out, grads
 
     fwd_ms = time_ms(forward, device, args.warmup, args.rep)
-    fb_ms = time_ms(forward_backward, device, args.warmup, args.rep)
+    fb_ms = None if args.forward_only else time_ms(forward_backward, device, args.warmup, args.rep)
     f_fwd, f_bwd = flops(idx, heads, model.d_qk, model.d_v)
     row = {
         "model": model.name,
@@ -133,10 +133,10 @@ def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device
         "fwd_ms": fwd_ms,
         "fwd_bwd_ms": fb_ms,
         "fwd_tflops": f_fwd / fwd_ms / 1e9,
-        "fwd_bwd_tflops": (f_fwd + f_bwd) / fb_ms / 1e9,
+        "fwd_bwd_tflops": (f_fwd + f_bwd) / fb_ms / 1e9 if fb_ms else None,
         "fwd_peak_pct": 100 * f_fwd / fwd_ms / 1e9 / peak if peak else None,
     }
-    if tokens <= args.check_max_tokens:
+    if tokens <= args.check_max_tokens and not args.forward_only:
         row.update(check_precision(model, q, kv, idx, sink, do, forward_backward, device))
     return row
 
@@ -193,7 +193,7 @@ def write_outputs(rows: list[dict], csv_path: Path | None, plot_path: Path | Non
             print("matplotlib is not installed: no plot written", file=sys.stderr)
             return
         fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.6), 4))
-        labels = [f"{r['model']}\nTP{r['tp']} {r['tokens'] // 1024}k\n{r['backend']}" for r in rows]
+        labels = [f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}" for r in rows]
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["fwd_ms"] for r in rows], 0.4, label="forward")
         ax.bar(
@@ -225,6 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--csv", type=Path, default=None, help="write the table as CSV here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG bar plot here")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    p.add_argument("--forward-only", action="store_true", help="time the forward alone")
     return p.parse_args(argv)
 
 

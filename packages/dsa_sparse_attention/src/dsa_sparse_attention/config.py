@@ -9,8 +9,13 @@ from dataclasses import dataclass
 
 from kernel_common import ConfigTable, KeyField, heads_bucket
 
-FORWARD_BACKENDS = ("torch",)
-BACKWARD_BACKENDS = ("torch",)
+FORWARD_BACKENDS = ("tilelang", "flash_mla", "torch")
+BACKWARD_BACKENDS = ("tilelang", "torch")
+DKV_REDUCE_MODES = ("tma", "atomic")
+
+
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -18,47 +23,53 @@ class SparseAttentionConfig:
     """How sparse attention runs: backends and the kernels' tiling.
 
     Attributes:
-        forward_backend: ``"torch"`` (the reference; the only backend for CPU tensors).
-        backward_backend: ``"torch"``.
-        block_i: index-block width: indices are padded with -1 to a multiple of it.
-        forward_threads: threads per forward program.
-        forward_stages: software-pipelining depth of the forward K/V gather.
-        backward_stages: pipelining depth of the backward gather.
-        split_store: number of slices the backward writes dKV in (fewer atomics in flight).
+        forward_backend: ``"tilelang"`` (Hopper), ``"flash_mla"`` (optional FlashMLA sparse
+            prefill; falls back to tilelang/torch when not importable or the shape is outside
+            what it supports) or ``"torch"`` (the reference; always used for CPU tensors).
+        backward_backend: ``"tilelang"`` or ``"torch"``. Either takes the lse of either forward.
+        forward_block_i: keys per forward index block (16, 32 or 64; topk is padded to it).
+        forward_threads: threads per forward program (the TileLang kernel runs 384).
+        forward_stages: K/V shared-memory stages of the forward gather pipeline.
+        backward_block_i, backward_stages, split_store: backward tiling (keys per block, K/V
+            blocks in flight, d_v slices dKV is written in); None picks the kernel's default for
+            the head count.
+        dkv_reduce: how the backward adds dKV rows: ``"tma"`` bulk reduce-adds or ``"atomic"``
+            fp32 atomics.
     """
 
     forward_backend: str = "torch"
     backward_backend: str = "torch"
-    block_i: int = 64
-    forward_threads: int = 256
+    forward_block_i: int = 64
+    forward_threads: int = 384
     forward_stages: int = 2
-    backward_stages: int = 2
-    split_store: int = 2
+    backward_block_i: int | None = None
+    backward_stages: int | None = None
+    split_store: int | None = None
+    dkv_reduce: str = "tma"
 
     def __post_init__(self) -> None:
-        if self.forward_backend not in FORWARD_BACKENDS:
-            raise ValueError(
-                f"SparseAttentionConfig.forward_backend must be one of {FORWARD_BACKENDS}, "
-                f"got {self.forward_backend!r}"
-            )
-        if self.backward_backend not in BACKWARD_BACKENDS:
-            raise ValueError(
-                f"SparseAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS}, "
-                f"got {self.backward_backend!r}"
-            )
-        for name in (
-            "block_i",
-            "forward_threads",
-            "forward_stages",
-            "backward_stages",
-            "split_store",
+        for name, allowed in (
+            ("forward_backend", FORWARD_BACKENDS),
+            ("backward_backend", BACKWARD_BACKENDS),
+            ("dkv_reduce", DKV_REDUCE_MODES),
         ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"SparseAttentionConfig.{name} must be one of {allowed}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        for name in ("forward_block_i", "forward_threads", "forward_stages"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _positive(value):
                 raise ValueError(
                     f"SparseAttentionConfig.{name} must be a positive int, got {value!r}"
                 )
-
+        for name in ("backward_block_i", "backward_stages", "split_store"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise ValueError(
+                    f"SparseAttentionConfig.{name} must be a positive int or None, got {value!r}"
+                )
         # Precomputed so that torch.compile reads an attribute instead of tracing json.dumps.
         object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
@@ -73,10 +84,26 @@ class SparseAttentionConfig:
 
 TORCH_CONFIG = SparseAttentionConfig()
 
+_HOPPER = SparseAttentionConfig(forward_backend="tilelang", backward_backend="tilelang")
+# Blackwell: FlashMLA's sparse prefill where it is installed (else the torch backend), the
+# torch backward; no TileLang kernel here is built or measured for sm_100 yet.
+_BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend="torch")
+
 CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
     "sparse_attention",
     SparseAttentionConfig,
     [KeyField("arch_major"), KeyField("rope_tail"), KeyField("heads", heads_bucket)],
-    rows=[],
+    rows=[
+        *(
+            ({"arch_major": 9, "rope_tail": tail, "heads": h}, _HOPPER, "initial, to be measured")
+            for tail in (True, False)
+            for h in (8, 16, 32, 64)
+        ),
+        *(
+            ({"arch_major": 10, "rope_tail": tail, "heads": h}, _BLACKWELL, "unmeasured default")
+            for tail in (True, False)
+            for h in (8, 16, 32, 64)
+        ),
+    ],
     default=TORCH_CONFIG,
 )
