@@ -22,7 +22,7 @@ from kernel_common.testing import rel_diff
 from topk import ranged_topk
 
 from dsa_sparse_attention import reference
-from dsa_sparse_attention._ops import resolve_config, sparse_attention
+from dsa_sparse_attention._ops import forward_backend, resolve_config, sparse_attention
 from dsa_sparse_attention.config import FORWARD_BACKENDS
 from dsa_sparse_attention.models import MODELS, ModelShape
 
@@ -91,6 +91,20 @@ def bf16_peak_tflops(device: torch.device) -> float | None:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: a @ b, device, 3, 10)
     return 2 * 8192**3 / ms / 1e9
+
+
+def usable(backends: list[str], model: ModelShape, tp: int, device) -> list[str]:
+    """The requested forward backends that really run for this shape (no silent fallbacks)."""
+    if device.type != "cuda":
+        return ["torch"]
+    q = torch.empty(1, 1, model.local_heads(tp), model.d_qk, device=device, dtype=torch.bfloat16)
+    kv = torch.empty(1, 1, 1, model.d_qk, device=device, dtype=torch.bfloat16)
+    base = resolve_config(q, model.d_v, None).config
+    return [
+        b
+        for b in backends
+        if forward_backend(q, kv, model.d_v, dataclasses.replace(base, forward_backend=b)) == b
+    ]
 
 
 def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device, peak) -> dict:
@@ -216,7 +230,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", default=None, help="comma list of lengths (default: quick subset)")
     p.add_argument("--full", action="store_true", help=f"every length {ALL_TOKENS}")
     p.add_argument(
-        "--backends", default=None, help=f"comma list of forward backends from {FORWARD_BACKENDS}"
+        "--backends",
+        default=None,
+        help=f"comma list of forward backends from {FORWARD_BACKENDS} (default: every GPU "
+        "backend usable here; a backend that would fall back to another one is skipped)",
     )
     p.add_argument("--check-max-tokens", type=int, default=8192, help="precision checks up to here")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
@@ -234,7 +251,7 @@ def main(argv=None) -> int:
     on_gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if on_gpu else "cpu")
     models = [MODELS[m] for m in args.models.split(",")]
-    backends = args.backends.split(",") if args.backends else list(FORWARD_BACKENDS)
+    backends = args.backends.split(",") if args.backends else ["tilelang", "flash_mla"]
     if args.tokens:
         tokens = [int(t) for t in args.tokens.split(",")]
     else:
@@ -257,7 +274,7 @@ def main(argv=None) -> int:
         )
         for tp in tps:
             for n in tokens:
-                for backend in backends:
+                for backend in usable(backends, model, tp, device):
                     rows.append(run_case(model, tp, n, backend, args, device, peak))
                     print("done:", *(fmt(rows[-1][c]) for c in COLUMNS[:8]), flush=True)
     print_table(rows)

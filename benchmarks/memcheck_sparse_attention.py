@@ -1,0 +1,41 @@
+"""A small sparse-attention forward + backward for ``compute-sanitizer --tool memcheck``.
+
+Covers the padding cases the kernels must survive without touching memory out of bounds: -1
+tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
+that is not a block multiple. Run on the GPU host:
+
+    compute-sanitizer --tool memcheck python benchmarks/memcheck_sparse_attention.py
+"""
+
+import torch
+from dsa_sparse_attention import sparse_attention
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for heads, dim, topk, sink in ((16, 576, 100, False), (64, 512, 130, True)):
+        b, s, s_kv = 2, 33, 70
+        q = torch.randn(b, s, heads, dim, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(b, s_kv, 1, dim, device="cuda", generator=gen).bfloat16()
+        idx = torch.randint(0, s_kv, (b, s, 1, topk), device="cuda", generator=gen).int()
+        idx[:, :, :, topk // 2 :] = -1  # tails
+        idx[:, 3] = -1  # whole rows
+        idx[:, 4, :, :7] = s_kv + 5  # past the end
+        idx[:, 5, :, :7] = -9  # below -1
+        idx[:, 6, :, :7] = torch.iinfo(torch.int32).max
+        idx[:, 7, :, :9] = 2  # duplicates
+        attn_sink = torch.randn(heads, device="cuda", generator=gen) if sink else None
+        leaves = [q.requires_grad_(), kv.requires_grad_()]
+        if attn_sink is not None:
+            leaves.append(attn_sink.requires_grad_())
+        out, lse = sparse_attention(q, kv, idx, attn_sink=attn_sink, return_lse=True)
+        grads = torch.autograd.grad(
+            (out.float().square().sum(), torch.where(torch.isfinite(lse), lse, 0).sum()), leaves
+        )
+        torch.cuda.synchronize()
+        finite = all(bool(torch.isfinite(g.float()).all()) for g in grads)
+        print(f"heads={heads} dim={dim} topk={topk} sink={sink}: grads finite={finite}")
+
+
+if __name__ == "__main__":
+    main()
