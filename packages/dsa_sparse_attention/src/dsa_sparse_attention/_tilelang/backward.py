@@ -1,0 +1,624 @@
+"""TileLang backward of sparse attention: dq, dkv (fp32 reduce-add, then bf16) and dsink.
+
+One program per (query, kv group, block of at most 64 heads of that group) walks the query's
+index list in blocks of ``block_i`` keys. The K/V rows of a block are gathered once into shared
+memory with ``cp.async`` (16 bytes per copy, one index load per row) into a ring of
+``num_stages`` slots; the fetch of block ``i + num_stages`` starts as soon as block ``i`` has
+made its last use of its slot, so even one slot overlaps the fetch with compute. Per block the
+program recomputes ``P = exp2(q.k * scale * log2 e - lse2)`` and ``dP = do.v`` for all its
+heads with one MMA each, forms ``dS = P * (dP - delta)``, accumulates ``dq += dS k`` in
+registers and computes the block's key gradient ``dK + dV = dS^T q * scale + P^T do`` summed
+over all its heads: that sum is the only thing written per key, one fp32 reduce-add of each
+valid key row instead of one per (key, head).
+
+The key gradient is produced in column slices (``split_store`` slices of the value width, then
+the RoPE tail) so that one slice at a time is held in registers. Each slice is either staged in
+shared memory and handed to the TMA engine as one bulk ``cp.reduce.async.bulk .add.f32`` per
+valid row (``dkv_reduce="tma"``: the adds happen in L2, off the load/store pipe, while the
+threads go on with the next slice's MMAs), or added with vectorised fp32 atomics straight from
+registers (``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
+written. Query heads are padded to the MMA row block (16, 32 or 64) with zero rows.
+
+A small preprocess kernel computes ``delta = rowsum(out * dout)`` in fp32. Folding ``dlse``
+into delta, the ``dsink`` reduction over (batch, query) rows, clamping the indices for the
+gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
+torch ops in the wrapper.
+
+Batch, query length and key length are dynamic symbols of every kernel, so new lengths reuse
+the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
+``functools.lru_cache`` behind :func:`compile_backward`.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the
+# kernels, which name closure variables (shapes), so they must stay real expressions.
+import functools
+import json
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import tilelang
+import tilelang.language as T
+import torch
+import torch.nn.functional as F
+from kernel_common import device_arch, tilelang_target
+
+LOG2E = math.log2(math.e)
+
+# Automatic warp specialisation stays off: the pipeline here is explicit (cp.async ring, bulk
+# reduce-adds issued by warp 0). The automatic bounds guards are off too: every access of the
+# kernel is in range by construction (clamped gather indices, explicit head guards) and the
+# guards would put a bounds test on every gathered 16-byte chunk. The aggressive shared-memory
+# merge is deliberately NOT enabled: it aliased live buffers in a similar kernel and produced
+# NaN gradients (tile-ai/tilelang#2199).
+_PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+}
+
+DKV_REDUCE_MODES = ("tma", "atomic")
+
+# One bulk reduce-add of `bytes` contiguous fp32 from shared to global memory, done by the TMA
+# engine (sm_90+); completion is tracked with bulk groups (commit / wait_group.read). The proxy
+# fence carries a memory clobber so that the compiler cannot sink the staging stores below it.
+_PRELUDE = r"""
+__device__ __forceinline__ void dsa_bulk_reduce_add_f32(float* gmem, const float* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(gmem), "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void dsa_fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+"""
+
+_STAGE_PAD = 4  # fp32 words of padding per staging row: rows start on different banks
+SHARED_MEMORY_LIMIT = 232448  # bytes of dynamic shared memory one sm_90 / sm_100 block may use
+
+
+def head_block(heads_per_group: int) -> int:
+    """Query-head rows per program: the group's heads padded to the MMA row block (16, 32 or
+    64); groups of more than 64 heads are split into blocks of 64 (one program each)."""
+    if heads_per_group > 32:
+        return 64
+    if heads_per_group > 16:
+        return 32
+    return 16
+
+
+def default_threads(heads_per_group: int) -> int:
+    """Threads per program: 4 warps for a 16-row head block, 8 warps (two warpgroups) above."""
+    return 128 if head_block(heads_per_group) <= 16 else 256
+
+
+def default_tiling(heads_per_group: int) -> tuple[int, int, int]:
+    """(block_i, num_stages, split_store) that fit the shared memory of sm_90 for any D <= 576.
+
+    16-row head blocks keep the program at ~107 KB (two programs per SM hide each other's
+    gather); 32-row blocks have room for a two-deep K/V ring; 64-row blocks hold 139 KB of q and
+    dout, which leaves room for one K/V block.
+    """
+    block_h = head_block(heads_per_group)
+    return (32, 2, 2) if block_h == 32 else (32, 1, 2)
+
+
+def shared_memory_bytes(
+    heads_per_group: int,
+    dim: int,
+    d_v: int,
+    *,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str = "tma",
+) -> int:
+    """Dynamic shared memory of one program of the dq / dkv kernel, in bytes (an upper bound:
+    every buffer is rounded up to the 1 KiB alignment of swizzled MMA operands)."""
+    block_h = head_block(heads_per_group)
+    slices = _column_slices(dim, d_v, split_store)
+    kib = lambda nbytes: -(-nbytes // 1024) * 1024
+    size = sum(kib(2 * block_h * w) for _, w in slices)  # q (bf16)
+    size += sum(kib(2 * block_h * w) for c0, w in slices if c0 < d_v)  # dout (bf16)
+    size += sum(kib(2 * max(1, num_stages) * block_i * w) for _, w in slices)  # K/V ring
+    size += 2 * kib(2 * block_h * block_i)  # P and dS (bf16)
+    if dkv_reduce == "tma":
+        widest = max(w for _, w in slices)
+        size += kib(4 * block_i * (widest + _STAGE_PAD))  # fp32 staging of one dkv slice
+    return size
+
+
+def _column_slices(dim: int, d_v: int, split_store: int) -> list[tuple[int, int]]:
+    """(start, width) of the dkv column slices: d_v in `split_store` equal parts, then the tail."""
+    if d_v % split_store or (d_v // split_store) % 64:
+        raise ValueError(
+            f"split_store={split_store} must split d_v={d_v} into slices of a multiple of 64"
+        )
+    width = d_v // split_store
+    slices = [(c * width, width) for c in range(split_store)]
+    if dim > d_v:
+        slices.append((d_v, dim - d_v))
+    return slices
+
+
+def _build_preprocess(heads: int, d_v: int):
+    """delta[b, s, h] = sum_d out[b, s, h, d] * dout[b, s, h, d] in fp32."""
+    rows, cols = 32, 128
+    if d_v % cols:
+        raise ValueError(f"d_v={d_v} must be a multiple of {cols}")
+    batch, seq = T.dynamic("batch, seq_len")
+
+    @T.prim_func
+    def preprocess(
+        Out: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
+        dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
+        Delta: T.Tensor((batch, seq, heads), T.float32),
+    ):
+        with T.Kernel(T.ceildiv(seq, rows), heads, batch, threads=128) as (bx, h, b):
+            acc = T.alloc_fragment((rows, cols), T.float32)
+            delta = T.alloc_fragment((rows,), T.float32)
+            T.clear(acc)
+            for k in T.serial(d_v // cols):
+                for i, j in T.Parallel(rows, cols):
+                    acc[i, j] += T.if_then_else(
+                        bx * rows + i < seq,
+                        T.cast(Out[b, bx * rows + i, h, k * cols + j], T.float32)
+                        * T.cast(dO[b, bx * rows + i, h, k * cols + j], T.float32),
+                        0.0,
+                    )
+            T.reduce_sum(acc, delta, dim=1)
+            for i in T.Parallel(rows):
+                if bx * rows + i < seq:
+                    Delta[b, bx * rows + i, h] = delta[i]
+
+    return preprocess
+
+
+def _build_main(
+    heads: int,
+    groups: int,
+    dim: int,
+    d_v: int,
+    topk: int,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str,
+    threads: int,
+):
+    """The dq / dkv kernel (see the module docstring). `topk` is already a multiple of block_i."""
+    hg = heads // groups
+    block_h = head_block(hg)
+    n_hc = -(-hg // block_h)  # head blocks per group
+    bs = block_i
+    n_blocks = topk // bs
+    slices = _column_slices(dim, d_v, split_store)
+    value_slices = [c for c, (c0, _) in enumerate(slices) if c0 < d_v]
+    stage_w = max(w for _, w in slices) + _STAGE_PAD
+    use_tma = dkv_reduce == "tma"
+    # K/V ring of `n_buf` slots: the fetch of block ib + n_buf starts as soon as block ib's
+    # slot is free (after its dq MMA), so up to n_buf blocks are in flight or resident.
+    n_buf = max(1, num_stages)
+    # Gather: 8 threads per key row, 16 bytes (8 bf16) per cp.async; one index load per row.
+    rows_per_pass = threads // 8
+    # (Python loops over lists unroll at trace time; a `range` loop would become a TIR loop.)
+    gather_passes = [*range(-(-bs // rows_per_pass))]
+    ring = [*range(n_buf)]
+    batch, seq, seq_kv = T.dynamic("batch, seq_len, seq_len_kv")
+
+    @T.macro
+    def gather(e, ib, buf):
+        """cp.async block `ib` of K/V rows into ring slot `buf` (no wait)."""
+        # Through the pre-clamped indices: always in range, so no per-element clamp or bounds
+        # test; the mask comes from the original indices.
+        for p in gather_passes:
+            row = p * rows_per_pass + e.tx // 8
+            if row < bs:
+                for c, (c0, w) in enumerate(slices):
+                    for k in T.unroll(w // 64):
+                        col = k * 64 + (e.tx % 8) * 8
+                        T.call_extern(
+                            "handle",
+                            "tl::cp_async_gs<16>",
+                            T.address_of(e.kv_s[c][buf, row, col]),
+                            T.address_of(
+                                e.KV[e.b, e.IdxC[e.b, e.s, e.g, ib * bs + row], e.g, c0 + col]
+                            ),
+                        )
+
+    @T.macro
+    def key_block(e, ib, buf):
+        """All work of key block `ib`, whose K/V rows were fetched into ring slot `buf`."""
+        T.ptx_wait_group(n_buf - 1)  # this thread's copies of block ib have landed ...
+        for r in T.Parallel(bs):
+            e.valid[r] = (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
+                e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
+            )
+        T.sync_threads()  # ... and everyone else's
+        kv = [kv_c[buf : buf + 1, :, :] for kv_c in e.kv_s]
+
+        for c, q_c in enumerate(e.q_s):
+            T.gemm(q_c, kv[c], e.acc_s, transpose_B=True, clear_accum=c == 0)
+        for j, c in enumerate(value_slices):
+            T.gemm(e.do_s[j], kv[c], e.acc_dp, transpose_B=True, clear_accum=j == 0)
+        for h, r in T.Parallel(block_h, bs):
+            e.acc_s[h, r] = T.if_then_else(
+                e.valid[r] & (h < e.n_real),
+                T.exp2(e.acc_s[h, r] * e.scale_log2 - e.lse_f[h]),
+                0.0,
+            )
+        # dS carries the softmax scale of the logits (dq and dk both need it).
+        for h, r in T.Parallel(block_h, bs):
+            e.acc_dp[h, r] = e.acc_s[h, r] * (e.acc_dp[h, r] - e.delta_f[h]) * e.sm_scale
+        T.copy(e.acc_s, e.p_s)
+        T.copy(e.acc_dp, e.ds_s)
+        for c, acc in enumerate(e.acc_dq):
+            T.gemm(e.ds_s, kv[c], acc)
+
+        # Slot `buf` is read for the last time above: refill it with block ib + n_buf now, so
+        # that the fetch overlaps this block's key-gradient work (even with a single slot).
+        T.sync_threads()
+        if ib + n_buf < n_blocks:
+            gather(e, ib + n_buf, buf)
+        T.ptx_commit_group()  # one group per block, possibly empty, keeps the counts exact
+
+        for c, (c0, w) in enumerate(slices):
+            # Key gradient of this slice, summed over the program's heads.
+            T.gemm(e.ds_s, e.q_s[c], e.acc_kv[c], transpose_A=True, clear_accum=True)
+            if c0 < d_v:
+                T.gemm(e.p_s, e.do_s[value_slices.index(c)], e.acc_kv[c], transpose_A=True)
+            if use_tma:
+                # The bulk reads of the previous slice (issued by warp 0; other threads have no
+                # bulk group and pass at once) must be done before the staging buffer is
+                # overwritten; they overlapped the MMAs above.
+                T.tma_store_wait(0)
+                T.sync_threads()
+                for r, d in T.Parallel(bs, w):
+                    e.stage[r, d] = e.acc_kv[c][r, d]
+                # Make the generic-proxy stores visible to the TMA (async proxy) reads.
+                T.call_extern("handle", "dsa_fence_proxy_async_shared")
+                T.sync_threads()
+                if e.tx < bs:
+                    row = e.Idx[e.b, e.s, e.g, ib * bs + e.tx]
+                    if (row >= 0) & (row < seq_kv):
+                        T.call_extern(
+                            "handle",
+                            "dsa_bulk_reduce_add_f32",
+                            T.address_of(e.dKV[e.b, row, e.g, c0]),
+                            T.address_of(e.stage[e.tx, 0]),
+                            w * 4,
+                        )
+                    T.tma_store_arrive()
+            else:
+                for r, d in T.Parallel(bs, w):
+                    if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
+                        e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
+                    ):
+                        T.atomic_add(
+                            e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
+                            e.acc_kv[c][r, d],
+                        )
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor((batch, seq, heads, dim), T.bfloat16),
+        KV: T.Tensor((batch, seq_kv, groups, dim), T.bfloat16),
+        dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
+        Idx: T.Tensor((batch, seq, groups, topk), T.int32),
+        IdxC: T.Tensor((batch, seq, groups, topk), T.int32),
+        Lse2: T.Tensor((batch, seq, heads), T.float32),
+        Delta: T.Tensor((batch, seq, heads), T.float32),
+        dQ: T.Tensor((batch, seq, heads, dim), T.bfloat16),
+        dKV: T.Tensor((batch, seq_kv, groups, dim), T.float32),
+        sm_scale: T.float32,
+    ):
+        with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=_PRELUDE) as (
+            s_i,
+            b_i,
+            gz,
+        ):
+            g = gz // n_hc
+            h0 = g * hg + (gz % n_hc) * block_h  # first query head of this program
+            n_real = T.min(block_h, hg - (gz % n_hc) * block_h)  # rows past it are padding
+
+            # Operands are kept per column slice so that every MMA works on a whole buffer.
+            q_s = [T.alloc_shared((block_h, w), T.bfloat16) for _, w in slices]
+            do_s = [T.alloc_shared((block_h, slices[c][1]), T.bfloat16) for c in value_slices]
+            kv_s = [T.alloc_shared((n_buf, bs, w), T.bfloat16) for _, w in slices]
+            p_s = T.alloc_shared((block_h, bs), T.bfloat16)
+            ds_s = T.alloc_shared((block_h, bs), T.bfloat16)
+            valid = T.alloc_fragment((bs,), "bool")
+            lse_f = T.alloc_fragment((block_h,), T.float32)
+            delta_f = T.alloc_fragment((block_h,), T.float32)
+            acc_s = T.alloc_fragment((block_h, bs), T.float32)
+            acc_dp = T.alloc_fragment((block_h, bs), T.float32)
+            acc_dq = [T.alloc_fragment((block_h, w), T.float32) for _, w in slices]
+            acc_kv = [T.alloc_fragment((bs, w), T.float32) for _, w in slices]
+            stage = T.alloc_shared((bs, stage_w), T.float32) if use_tma else None
+
+            # Padded head rows load as zeros: their P is forced to 0, so they add nothing.
+            for c, (c0, w) in enumerate(slices):
+                for h, d in T.Parallel(block_h, w):
+                    q_s[c][h, d] = T.if_then_else(
+                        h < n_real, Q[b_i, s_i, h0 + h, c0 + d], T.cast(0, T.bfloat16)
+                    )
+            for j, c in enumerate(value_slices):
+                c0, w = slices[c]
+                for h, d in T.Parallel(block_h, w):
+                    do_s[j][h, d] = T.if_then_else(
+                        h < n_real, dO[b_i, s_i, h0 + h, c0 + d], T.cast(0, T.bfloat16)
+                    )
+            for h in T.Parallel(block_h):
+                lse_f[h] = T.if_then_else(h < n_real, Lse2[b_i, s_i, h0 + h], 0.0)
+                delta_f[h] = T.if_then_else(h < n_real, Delta[b_i, s_i, h0 + h], 0.0)
+            for acc in acc_dq:
+                T.clear(acc)
+            e = SimpleNamespace(
+                KV=KV,
+                Idx=Idx,
+                IdxC=IdxC,
+                dKV=dKV,
+                sm_scale=sm_scale,
+                scale_log2=sm_scale * LOG2E,
+                b=b_i,
+                s=s_i,
+                g=g,
+                n_real=n_real,
+                tx=T.get_thread_binding(),
+                q_s=q_s,
+                do_s=do_s,
+                kv_s=kv_s,
+                p_s=p_s,
+                ds_s=ds_s,
+                valid=valid,
+                lse_f=lse_f,
+                delta_f=delta_f,
+                acc_s=acc_s,
+                acc_dp=acc_dp,
+                acc_dq=acc_dq,
+                acc_kv=acc_kv,
+                stage=stage,
+            )
+
+            for j in ring:
+                if j < n_blocks:
+                    gather(e, j, j)
+                T.ptx_commit_group()
+            for ib in T.serial(n_blocks):
+                key_block(e, ib, ib % n_buf)
+
+            if use_tma:
+                # Shared memory must outlive the last bulk reads: wait for full completion
+                # (threads that issued none return at once).
+                T.tma_store_wait(0, False)
+            for c, (c0, w) in enumerate(slices):
+                for h, d in T.Parallel(block_h, w):
+                    if h < n_real:
+                        dQ[b_i, s_i, h0 + h, c0 + d] = T.cast(acc_dq[c][h, d], T.bfloat16)
+
+    return main
+
+
+@dataclass(frozen=True)
+class BackwardKernels:
+    """The compiled kernels of one static configuration (see :func:`compile_backward`)."""
+
+    preprocess: tilelang.JITKernel  # (out, dout, delta)
+    main: tilelang.JITKernel  # (q, kv, dout, idx, idx_clamped, lse2, delta, dq, dkv_fp32, scale)
+    topk_padded: int
+
+
+def _target_key(target: dict | str | None) -> str:
+    """A hashable, canonical form of a TileLang target (default: the current device's)."""
+    if target is None:
+        target = tilelang_target(device_arch())
+    if isinstance(target, str):
+        target = {"kind": "cuda", "arch": target}
+    return json.dumps(dict(target), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_preprocess(heads: int, d_v: int, target: str) -> tilelang.JITKernel:
+    # Default pass configs: the automatic bounds guards cover the ragged last row block.
+    return tilelang.compile(_build_preprocess(heads, d_v), target=json.loads(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_main(*static: object, target: str) -> tilelang.JITKernel:
+    return tilelang.compile(
+        _build_main(*static), target=json.loads(target), pass_configs=_PASS_CONFIGS
+    )
+
+
+def compile_backward(
+    heads: int,
+    groups: int,
+    dim: int,
+    d_v: int,
+    topk: int,
+    *,
+    block_i: int | None = None,
+    num_stages: int | None = None,
+    split_store: int | None = None,
+    dkv_reduce: str = "tma",
+    threads: int | None = None,
+    target: dict | str | None = None,
+) -> BackwardKernels:
+    """Compile (or fetch from the in-process cache) the kernels of one static configuration.
+
+    Args:
+        heads: query heads H (TP-local); groups: kv groups G, ``H % G == 0``, 1..128 heads
+            per group.
+        dim: q/kv width D = ``d_v`` + RoPE tail; d_v: value width. Both the value width split
+            in ``split_store`` slices and the tail must be multiples of 64 columns.
+        topk: indices per query row (padded up to a multiple of ``block_i`` with -1).
+        block_i: keys per block, a multiple of 16.
+        num_stages: slots of the K/V ring. Block i + n is fetched into block i's slot right
+            after block i's dq MMA, so n = 1 already overlaps the fetch with the key-gradient
+            work and n > 1 prefetches further ahead.
+        split_store: slices of d_v the key gradient is computed and written in.
+        dkv_reduce: ``"tma"`` (one bulk reduce-add per valid key row and slice) or
+            ``"atomic"`` (vectorised fp32 atomics from registers).
+        threads: threads per program, default :func:`default_threads`.
+        target: a TileLang target (dict, or an arch string such as ``"sm_90a"``), default the
+            current device's. Compiling needs nvcc, not a GPU.
+
+    ``block_i``, ``num_stages`` and ``split_store`` default to :func:`default_tiling`. Batch,
+    query and key lengths are not parameters: the kernels take them at run time.
+    """
+    if groups < 1 or heads % groups:
+        raise ValueError(f"heads={heads} must be a multiple of groups={groups}")
+    hg = heads // groups
+    if not 1 <= hg <= 128:
+        raise ValueError(f"heads per group must be in [1, 128], got {hg}")
+    tiling = default_tiling(hg)
+    block_i = block_i or tiling[0]
+    num_stages = num_stages or tiling[1]
+    split_store = split_store or tiling[2]
+    threads = threads or default_threads(hg)
+    if block_i % 16:
+        raise ValueError(f"block_i={block_i} must be a positive multiple of 16")
+    if dim < d_v or (dim - d_v) % 64:
+        raise ValueError(f"the RoPE tail D - d_v = {dim - d_v} must be a multiple of 64")
+    if dkv_reduce not in DKV_REDUCE_MODES:
+        raise ValueError(f"dkv_reduce must be one of {DKV_REDUCE_MODES}, got {dkv_reduce!r}")
+    if threads % 128 or threads // 32 > head_block(hg) // 16 * (block_i // 8):
+        raise ValueError(
+            f"threads={threads} must be a multiple of 128 and at most 32 * {head_block(hg) // 16}"
+            f" * block_i / 8 (each warp needs a 16 x 8 tile of the {head_block(hg)} x "
+            f"{block_i} score block)"
+        )
+    smem = shared_memory_bytes(
+        hg,
+        dim,
+        d_v,
+        block_i=block_i,
+        num_stages=num_stages,
+        split_store=split_store,
+        dkv_reduce=dkv_reduce,
+    )
+    if smem > SHARED_MEMORY_LIMIT:
+        raise ValueError(
+            f"block_i={block_i}, num_stages={num_stages}, split_store={split_store} need "
+            f"{smem} bytes of shared memory for {head_block(hg)} head rows and D={dim} "
+            f"(limit {SHARED_MEMORY_LIMIT}); use fewer stages or more slices"
+        )
+    topk_padded = -(-topk // block_i) * block_i
+    key = _target_key(target)
+    return BackwardKernels(
+        preprocess=_compile_preprocess(heads, d_v, key),
+        main=_compile_main(
+            heads,
+            groups,
+            dim,
+            d_v,
+            topk_padded,
+            block_i,
+            num_stages,
+            split_store,
+            dkv_reduce,
+            threads,
+            target=key,
+        ),
+        topk_padded=topk_padded,
+    )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with a 16-byte aligned base (cp.async / bulk copies move 16 B units)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def sparse_attention_backward_tilelang(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    lse2: torch.Tensor,
+    attn_sink: torch.Tensor | None,
+    sm_scale: float,
+    d_v: int,
+    *,
+    block_i: int | None = None,
+    num_stages: int | None = None,
+    split_store: int | None = None,
+    dkv_reduce: str = "tma",
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of sparse attention w.r.t. q, kv and the sink (CUDA tensors, no host sync).
+
+    Args:
+        dout: bfloat16 ``[B, S, H, d_v]``, gradient of the output.
+        dlse: float32 ``[B, S, H]`` or None, gradient reaching the natural-log lse output.
+        q: bfloat16 ``[B, S, H, D]``; kv: bfloat16 ``[B, S_kv, G, D]`` (K = the whole row, V its
+            first ``d_v`` columns); head ``h`` reads group ``h // (H // G)``.
+        indices: int32 ``[B, S, G, topk]``, any topk >= 1; -1 and any value outside
+            ``[0, S_kv)`` is padding, anywhere in the row; duplicates count once per occurrence.
+        out: bfloat16 ``[B, S, H, d_v]``, the forward output.
+        lse2: float32 ``[B, S, H]``, log2-space lse of the scaled logits with the sink folded in
+            (natural lse / ln 2; -inf for a row with no valid index and no sink).
+        attn_sink: float32 ``[H]`` or None.
+        sm_scale: softmax scale of the logits; d_v: value width.
+        block_i, num_stages, split_store, dkv_reduce, threads: tiling, see
+            :func:`compile_backward` (None: :func:`default_tiling`).
+
+    Returns:
+        ``dq`` bfloat16 ``[B, S, H, D]``, ``dkv`` bfloat16 ``[B, S_kv, G, D]`` (accumulated in
+        fp32) and ``dsink`` float32 ``[H]`` (None without a sink). A row whose indices are all
+        padding gets dq = 0 and adds nothing to dkv.
+    """
+    b, s, h, d = q.shape
+    s_kv, g = kv.shape[1], kv.shape[2]
+    dkv_acc = torch.zeros(b, s_kv, g, d, dtype=torch.float32, device=q.device)
+    # Nothing to launch for an empty grid or when no key exists that an index could name.
+    launch = b * s > 0 and s_kv > 0
+    if launch:
+        kernels = compile_backward(
+            h,
+            g,
+            d,
+            d_v,
+            indices.shape[-1],
+            block_i=block_i,
+            num_stages=num_stages,
+            split_store=split_store,
+            dkv_reduce=dkv_reduce,
+            threads=threads,
+            target=tilelang_target(device_arch(q.device)),
+        )
+        pad = kernels.topk_padded - indices.shape[-1]
+        idx = _aligned(F.pad(indices, (0, pad), value=-1) if pad else indices)
+        # Padding of any kind gathers row 0 (always in range); the kernel masks it from `idx`.
+        idx_c = torch.where((idx >= 0) & (idx < s_kv), idx, 0)
+        dout = _aligned(dout)
+        delta = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+        kernels.preprocess(_aligned(out), dout, delta)
+    else:
+        delta = (out.float() * dout.float()).sum(-1)  # only dsink reads it
+    if dlse is not None:
+        # d lse / d s_j = p_j, so the lse gradient folds into delta.
+        delta = delta - dlse
+    if launch:
+        dq = torch.empty_like(q)  # every real head row is written by the kernel
+        kernels.main(
+            _aligned(q),
+            _aligned(kv),
+            dout,
+            idx,
+            idx_c,
+            _aligned(lse2),
+            delta,
+            dq,
+            dkv_acc,
+            float(sm_scale),
+        )
+    else:
+        dq = torch.zeros_like(q)
+    dsink = None
+    if attn_sink is not None:
+        # p_sink = exp(sink - lse) per row; rows with lse = -inf (no key, no sink) add nothing.
+        p_sink = torch.exp2(attn_sink.float() * LOG2E - lse2)
+        dsink = -(delta * torch.where(torch.isneginf(lse2), 0.0, p_sink)).sum(dim=(0, 1))
+    return dq, dkv_acc.to(torch.bfloat16), dsink
