@@ -107,6 +107,17 @@ def test_all_minus_one_rows_are_exactly_zero_with_finite_grads():
     assert torch.allclose(lse[empty], sink.expand_as(lse)[empty])
 
 
+@pytest.mark.parametrize("sink", [False, True])
+def test_every_row_empty(sink):
+    q, kv, idx, attn_sink = make(2, 5, 4, 1, 32, 6, sink=sink, seed=7)
+    idx = torch.full_like(idx, -1)
+    (out, lse, grads), (o64, l64, grads64) = run_both(q, kv, idx, attn_sink, 32)
+    assert (out == 0).all() and (grads[0] == 0).all() and (grads[1] == 0).all()
+    assert_close(lse, l64, name="lse")
+    if sink:
+        assert_close(grads[2], grads64[2], max_rel_diff=1e-6, name="dsink")
+
+
 def test_custom_scale_and_default_d_v():
     q, kv, idx, _ = make(1, 4, 2, 1, 600, 3, seed=4)
     out = sparse_attention(q, kv, idx)

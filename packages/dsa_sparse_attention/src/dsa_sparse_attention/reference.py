@@ -41,6 +41,7 @@ def _live_columns(idx):
     """Drop index columns that are -1 in every row of the chunk (causal windows shorter than
     topk leave long -1 tails): they are masked anyway, and gathering them dominates the time."""
     live = (idx >= 0).flatten(0, 2).any(0)
+    live[0] = True  # keep one (masked) column so that an all -1 chunk keeps its shape
     return idx if bool(live.all()) else idx[..., live]
 
 
