@@ -30,6 +30,12 @@ def _ranged_topk_op(
     # Ranges are clipped to the row so that no backend can be asked to read outside it.
     lo = lo.clamp(0, n)
     hi = hi.clamp(0, n)
+    if flat.is_cuda:
+        from topk._triton import ranged_topk_triton
+
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        return ranged_topk_triton(flat, k, lo, hi).reshape(*lead, k)
     return ranged_topk_reference(flat, k, lo, hi).reshape(*lead, k)
 
 

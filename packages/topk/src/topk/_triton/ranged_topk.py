@@ -1,0 +1,698 @@
+"""Triton kernel for exact ranged top-k: sampled bracket, one streaming pass, exact resolve.
+
+Every value is compared through an order-preserving int32 *key*: the float bits for x >= 0,
+the magnitude bits flipped (and shifted by one, so that -0.0 and +0.0 share key 0) for x < 0.
+Signed comparison of keys is comparison of the fp32 values; NaN and -inf map to ``_NONE``,
+below every selectable key. The answer for a row is fixed by T, its k-th largest key, and r, how
+many of the elements equal to T are taken (the first r in column order).
+
+A program takes rows from a shared counter; per row (length ``L = hi - lo``):
+
+1. **Bracket** (rows with L > k). ``SAMPLE`` columns spread over the range give a sample whose
+   ranks around ``k * SAMPLE / L`` estimate T; two searches on the sample, in lockstep, return
+   ``t_lo`` (about three standard deviations of rank below T) and ``t_hi`` (three above).
+2. **Stream** the range once. Each warp owns a contiguous segment of it and appends every
+   element >= ``t_lo`` (fp32 bits and column, in column order) to its own list in global
+   scratch; ranks within a warp need no barrier. The lists are then concatenated (~k entries,
+   L2 resident), so the stream is the only pass over the scores in HBM.
+3. **Resolve** on the list when it proves the bracket right (it holds at least k elements, or
+   every selectable one, and did not overflow): find T by interpolation search in
+   ``[t_lo, t_hi]`` (or above t_hi) over the list held in registers, then write the chosen
+   columns at the ranks given by cumsums (ascending column order; ties at T are taken in
+   column order).
+4. Otherwise (an unlucky sample, heavy ties at the bracket, fewer than k selectable) a **slow
+   exact path** re-reads the row: one pass counts the selectable elements and those above
+   t_hi, which with ties usually pins T at once; else each bisection step is a counting pass.
+
+HBM traffic is one read of the in-range scores plus the sample (~1/32 of it, in runs of whole
+sectors on long rows); the lists and the output are small. The result depends only on the
+scores, never on the schedule: the only atomic is the row counter.
+
+Scratch: ``programs x warps x list_size`` int64 entries (about 70 MB at the H200 defaults for
+k <= 2112, 140 MB at k = 4096), allocated per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Keys (see the module docstring). Thresholds handed to the streaming pass are compared as fp32,
+# so they are kept away from zeros and subnormals (|key| < _KNORM), which a flush-to-zero compare
+# would treat differently from the integer keys.
+_NONE = tl.constexpr(-2147483648)  # NaN, -inf and columns outside the range
+_KMIN = tl.constexpr(-2139095039)  # -FLT_MAX, the smallest selectable value
+_KINF = tl.constexpr(2139095040)  # +inf, the largest selectable value
+_KNORM = tl.constexpr(8388608)  # FLT_MIN, the smallest positive normal value
+
+
+@triton.jit
+def _order_key(bits):
+    """The key of int32 fp32 bit patterns that are not NaN."""
+    sign = bits >> 31
+    return (bits ^ (sign & 0x7FFFFFFF)) - sign
+
+
+@triton.jit
+def _keys(bits, valid):
+    """Keys of int32 fp32 bit patterns; NaN, -inf and ``valid == False`` lanes get ``_NONE``."""
+    key = _order_key(bits)
+    return tl.where(valid & (key >= _KMIN) & (key <= _KINF), key, _NONE)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value of a selectable key (the inverse of :func:`_keys`)."""
+    bits = tl.where(key >= 0, key, (key - 1) ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _midpoint(a, b):
+    """floor((a + b) / 2) of two int32 keys, without int32 overflow."""
+    a64 = a.to(tl.int64)
+    return (a64 + ((b.to(tl.int64) - a64) >> 1)).to(tl.int32)
+
+
+@triton.jit
+def _chunk_keys(row_ptr, c0, lo, hi, CHUNK: tl.constexpr):
+    """Keys of the ``CHUNK`` columns from ``c0``; only columns in [lo, hi) are read."""
+    cols = c0 + tl.arange(0, CHUNK)
+    inside = (cols >= lo) & (cols < hi)
+    x = tl.load(row_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    return _keys(x.to(tl.int32, bitcast=True), inside)
+
+
+@triton.jit
+def _sample_bracket(row_ptr, lo, span, k, SAMPLE: tl.constexpr, RUN: tl.constexpr):
+    """Keys ``(t_lo, t_hi)`` that very likely bracket the k-th largest of the row.
+
+    The sample is ``SAMPLE // RUN`` runs of ``RUN`` adjacent columns spread evenly over the
+    range (runs keep the extra HBM sectors few on long rows). A sample element of rank j stands
+    for rank about ``j * span / n_in`` of the row; ``t_lo`` is the sample element of rank
+    ``jc + 3 sd + 2`` and ``t_hi`` the one of rank ``jc - 3 sd - 2``, with ``jc`` the expected
+    rank of the k-th largest and ``sd`` its binomial standard deviation. Both searches stop
+    once their interval holds at most ``eps`` sample elements (a looser bound, never a wrong
+    one). A rank beyond the sample gives the open bound (``_KMIN`` / ``_KINF``).
+
+    Also returns the estimated density of the row between the bounds (elements per unit of
+    value, 0 when a bound is open or the bounds coincide), from which :func:`_retry_bound`
+    corrects a lower bound that turned out wrong.
+    """
+    j = tl.arange(0, SAMPLE)
+    # Run g starts at floor(g * span / G): split span so that no product overflows int32.
+    G: tl.constexpr = SAMPLE // RUN
+    g = j // RUN
+    off = g * (span // G) + (g * (span % G)) // G + j % RUN
+    inside = off < span
+    x = tl.load(row_ptr + lo + off, mask=inside, other=0.0).to(tl.float32)
+    keys = _keys(x.to(tl.int32, bitcast=True), inside)
+    n_sel = tl.sum((keys != _NONE).to(tl.int32), 0)
+    n_in = tl.sum(inside.to(tl.int32), 0).to(tl.float32)
+    jc = k.to(tl.float32) * n_in / span.to(tl.float32)
+    sd = tl.sqrt(tl.maximum(jc * (1.0 - jc / n_in), 0.0))
+    j_hi = tl.floor(jc - 3.0 * sd - 2.0).to(tl.int32)
+    j_lo = tl.ceil(jc + 3.0 * sd + 2.0).to(tl.int32)
+    eps = tl.maximum((0.5 * sd).to(tl.int32), 1)
+
+    # Lane 0 looks for the element of sample rank j_hi, lane 1 for rank j_lo, with the
+    # invariant count(>= a) = ca >= target > cb = count(>= b), from [min, max] of the sample.
+    # The pivot halves the interval in key space (about log-scale in value), except while the
+    # interval holds zero, where key space would spend steps on tiny magnitudes: there it
+    # halves the value range instead.
+    lane = tl.arange(0, 2)
+    target = tl.minimum(tl.maximum(tl.where(lane == 0, j_hi, j_lo), 1), tl.maximum(n_sel, 1))
+    a = tl.full([2], 0, tl.int32) + tl.min(tl.where(keys != _NONE, keys, _KINF), 0)
+    b = tl.full([2], 1, tl.int32) + tl.max(keys, 0)
+    ca = tl.full([2], 0, tl.int32) + n_sel
+    cb = tl.full([2], 0, tl.int32)
+    active = ca - cb > eps
+    while tl.max(active.to(tl.int32), 0) > 0:
+        half = 0.5 * _key_value(a) + 0.5 * _key_value(b - 1)
+        by_value = _order_key(half.to(tl.int32, bitcast=True))
+        use_value = (a <= 0) & (b > 0) & (by_value > a) & (by_value < b)
+        m = tl.where(use_value, by_value, _midpoint(a, b))
+        c = tl.sum((keys[None, :] >= m[:, None]).to(tl.int32), 1)
+        up = active & (c >= target)
+        down = active & (c < target)
+        a = tl.where(up, m, a)
+        ca = tl.where(up, c, ca)
+        b = tl.where(down, m, b)
+        cb = tl.where(down, c, cb)
+        active = (ca - cb > eps) & (b > a + 1)
+    t_hi = tl.sum(tl.where(lane == 0, b, 0), 0) - 1
+    t_lo = tl.sum(tl.where(lane == 1, a, 0), 0)
+    open_hi = (j_hi < 1) | (j_hi > n_sel)
+    open_lo = j_lo > n_sel
+    t_hi = tl.where(open_hi, _KINF, t_hi)
+    t_lo = tl.where(open_lo, _KMIN, t_lo)
+    # Widen thresholds that fall among zeros and subnormals to the nearest normal value.
+    t_lo = tl.where((t_lo > -_KNORM) & (t_lo < _KNORM), -_KNORM, t_lo)
+    t_hi = tl.where((t_hi > -_KNORM) & (t_hi < _KNORM), _KNORM, t_hi)
+    # Row elements per unit of value between the two bounds, for a retry (0: none possible).
+    between = tl.sum(tl.where(lane == 1, ca, 0) - tl.where(lane == 0, cb, 0), 0)
+    gap = _key_value(t_hi) - _key_value(t_lo)
+    slope = between.to(tl.float32) * (span.to(tl.float32) / n_in) / gap
+    usable = (~open_hi) & (~open_lo) & (gap > 0.0) & (slope < float("inf"))
+    return t_lo, t_hi, tl.where(usable, slope, 0.0)
+
+
+@triton.jit
+def _load_tile(row_ptr, cols, lo, hi):
+    """The ``[REPS, 4, WARPS, 32]`` tile of scores at ``cols`` (-inf outside [lo, hi))."""
+    return tl.load(row_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
+
+
+@triton.jit
+def _stream_tile(x, cols, v_lo, region, n_w, LIST: tl.constexpr):
+    """One step of :func:`_stream_body`: append the tile's elements >= v_lo to the lists."""
+    x = x.to(tl.float32)
+    cand = x >= v_lo
+    c = cand.to(tl.int32)
+    per_lane = tl.sum(c, 1, keep_dims=True)
+    per_row = tl.sum(per_lane, 3, keep_dims=True)
+    before = n_w + tl.cumsum(per_row, 0) - per_row + tl.cumsum(per_lane, 3) - per_lane
+    pos = before + tl.cumsum(c, 1) - 1
+    entry = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cols.to(tl.uint32).to(tl.int64)
+    tl.store(region + pos, entry, mask=cand & (pos < LIST))
+    return n_w + tl.sum(per_row, 0, keep_dims=True)
+
+
+@triton.jit
+def _stream_body(
+    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
+):
+    """Append every element >= ``v_lo`` of the row range to per-warp lists; return their sizes.
+
+    Each warp owns one contiguous segment of the range (a multiple of ``REPS * 128`` columns)
+    and its own ``LIST``-entry region of the scratch, so the pass needs no barrier: the rank of
+    a candidate inside its warp's list is an in-thread cumsum over each thread's 4 adjacent
+    columns, a warp cumsum over the 32 lanes and an in-thread cumsum over the ``REPS`` rows of
+    128 columns. Tiles are ``[REPS, 4, WARPS, 32]`` (row, vector, warp, lane), the shape for
+    which Triton's layouts give one warp per segment and 16-byte loads.
+
+    Steps whose tile lies inside [lo, hi) for every warp load without a mask (vectorized) and
+    one step ahead; the few others (the first, the last) are separate loops so that the two
+    kinds of load do not share registers. Values are compared as fp32: ``v_lo`` is normal or
+    infinite, so this is the key order even under flush-to-zero compares; NaN and masked lanes
+    (loaded as -inf) compare false. An entry is the fp32 bit pattern (high word) and the
+    column (low word). Entries past ``LIST`` are dropped but still counted.
+    """
+    rep = tl.arange(0, REPS)[:, None, None, None]
+    vec = tl.arange(0, 4)[None, :, None, None]
+    wid = tl.arange(0, WARPS)[None, None, :, None]
+    lane = tl.arange(0, 32)[None, None, None, :]
+    width = REPS * 128
+    a0 = (lo // 128) * 128  # aligned start, so that interior tiles vectorize
+    seg = tl.cdiv(tl.cdiv(hi - a0, WARPS), width) * width
+    offs = a0 + wid * seg + rep * 128 + lane * 4 + vec
+    region = list_ptr + wid * LIST
+    # Step `it` is interior iff a0 + it >= lo (warp 0) and it <= lim (the last warp).
+    lim = hi - (a0 + (WARPS - 1) * seg + width)
+    first = tl.minimum(tl.where(a0 >= lo, 0, width), seg)
+    stop = tl.where(lim >= 0, tl.minimum((lim // width + 1) * width, seg), 0)
+    stop = tl.maximum(stop, first)
+    n_w = tl.zeros([1, 1, WARPS, 1], tl.int32)
+    for it in range(0, first, width):
+        n_w = _stream_tile(
+            _load_tile(row_ptr, offs + it, lo, hi), offs + it, v_lo, region, n_w, LIST
+        )
+    if stop > first:
+        # Interior steps, software-pipelined: the next tile's loads are in flight while this
+        # one is ranked and stored.
+        x = tl.load(row_ptr + offs + first)
+        for it in range(first, stop - width, width):
+            x_next = tl.load(row_ptr + offs + (it + width))
+            n_w = _stream_tile(x, offs + it, v_lo, region, n_w, LIST)
+            x = x_next
+        n_w = _stream_tile(x, offs + (stop - width), v_lo, region, n_w, LIST)
+    for it in range(stop, seg, width):
+        n_w = _stream_tile(
+            _load_tile(row_ptr, offs + it, lo, hi), offs + it, v_lo, region, n_w, LIST
+        )
+    return n_w
+
+
+@triton.jit(noinline=True)
+def _warp_stream(
+    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
+):
+    """:func:`_stream_body` as a function of its own, so that its per-thread index patterns
+    are not hoisted into the caller, where they would pin registers."""
+    return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
+
+
+@triton.jit(noinline=True)
+def _warp_stream_again(
+    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
+):
+    """:func:`_warp_stream` for the retry: a second function rather than a second call site of
+    the first, which makes ptxas give the stream many more registers."""
+    return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
+
+
+@triton.jit
+def _compact_lists(list_ptr, n_w, LIST: tl.constexpr, WARPS: tl.constexpr):
+    """Move the per-warp lists behind warp 0's, giving one list in column order at list_ptr.
+
+    Warp w's entries go to offset ``sum(n_w[:w])`` of region 0; the regions of warps >= 1 are
+    only read, region 0 past its own entries only written, so nothing overlaps.
+    """
+    pair = tl.arange(0, 2)[None, :, None, None]
+    wid = tl.arange(0, WARPS)[None, None, :, None]
+    lane = tl.arange(0, 32)[None, None, None, :]
+    start = tl.cumsum(n_w, 2) - n_w
+    for j0 in range(0, tl.max(n_w), 64):
+        j = j0 + lane * 2 + pair
+        move = (wid > 0) & (j < n_w)
+        entry = tl.load(list_ptr + wid * LIST + j, mask=move, other=0)
+        tl.store(list_ptr + start + j, entry, mask=move)
+
+
+@triton.jit
+def _select_rule(a, ca, cb, k_eff, k, t_below):
+    """``(T, r)`` once a search stopped, from its invariant count(>= a) = ca >= k_eff > cb.
+
+    * ``ca == k_eff``: everything >= a is taken (T = a, r = k covers all ties at a);
+    * ``k_eff - cb == 1``: one more element is needed, the largest below b: T = ``t_below``;
+    * otherwise b == a + 1, so T = a and its first ``k_eff - cb`` occurrences are taken.
+    """
+    t = tl.where((ca != k_eff) & (k_eff - cb == 1), t_below, a)
+    r = tl.where(ca == k_eff, k, k_eff - cb)
+    return t, r
+
+
+@triton.jit
+def _emit(keys, cols, t, r, base_gt, base_eq, out_row):
+    """Write the columns of keys > t and of the first r keys == t (in order) to their ranks.
+
+    ``base_gt`` / ``base_eq`` count the elements > t / == t in earlier blocks of the same row;
+    returns them updated. Blocks are at most 32768 wide (16-bit halves of the packed cumsum).
+    """
+    gt = keys > t
+    eq = keys == t
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    incl = tl.cumsum(packed, 0)
+    n_eq = base_eq + (incl >> 16)
+    take = gt | (eq & (n_eq <= r))
+    pos = base_gt + (incl & 0xFFFF) + tl.minimum(n_eq, r) - 1
+    tl.store(out_row + pos, cols, mask=take)
+    total = tl.sum(packed, 0)
+    return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
+
+
+@triton.jit
+def _resolve_list(
+    list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST: tl.constexpr, WARPS: tl.constexpr
+):
+    """Exact T and r from the list (every element >= t_lo, in column order); write the row.
+
+    The list holds every element >= t_lo, so T is found from it alone whatever t_hi turns
+    out to be; t_hi only shortens the search. The list is held as a ``[REPS, 2, WARPS, 32]``
+    tile (rep, pair, warp, lane) in which each thread owns ``2 * REPS`` consecutive entries and
+    warp w the w-th contiguous part of the list: output ranks are in-thread cumsums, one warp
+    cumsum and a cross-warp prefix, and loads (16 bytes), compute and the scattered output
+    store share one layout (no shared-memory shuffles).
+    """
+    REPS: tl.constexpr = LIST // (64 * WARPS)
+    rep = tl.arange(0, REPS)[:, None, None, None]
+    pair = tl.arange(0, 2)[None, :, None, None]
+    wid = tl.arange(0, WARPS)[None, None, :, None]
+    lane = tl.arange(0, 32)[None, None, None, :]
+    idx = wid * (LIST // WARPS) + lane * (2 * REPS) + rep * 2 + pair
+    valid = idx < n_cand
+    entry = tl.load(list_ptr + idx, mask=valid, other=0)
+    keys = _keys((entry >> 32).to(tl.int32), valid)
+    above = tl.sum((keys > t_hi).to(tl.int32))
+    hi_ok = above < k_eff  # else T > t_hi: search (t_hi, +inf] instead
+    a = tl.where(hi_ok, t_lo, t_hi + 1)
+    ca = tl.where(hi_ok, n_cand, above)
+    b = tl.where(hi_ok, t_hi + 1, _KINF + 1)
+    cb = tl.where(hi_ok, above, 0)
+    # Interpolation search: the pivot is the value at which a count(>= x) linear in x between
+    # (value(a), ca) and (value(b - 1), cb) crosses k_eff - 1/2; counts are smooth in x for
+    # continuous data, so this usually ends in about 5 steps instead of about 10. A step that
+    # does not halve the distance to the target (in elements) is followed by a bisection step
+    # (as is any step with an infinite end), which keeps the worst case logarithmic.
+    excess = tl.minimum(ca - k_eff, k_eff - 1 - cb)
+    bisect = excess < 0  # False, as a scalar tensor
+    while (ca > k_eff) & (k_eff - cb > 1) & (b > a + 1):
+        frac = ((ca - k_eff).to(tl.float32) + 0.5) / (ca - cb).to(tl.float32)
+        va = _key_value(a)
+        guess = (va + (_key_value(b - 1) - va) * frac).to(tl.int32, bitcast=True)
+        guess = tl.minimum(tl.maximum(_order_key(guess), a + 1), b - 1)
+        m = tl.where(bisect | (b > _KINF), _midpoint(a, b), guess)
+        c = tl.sum((keys >= m).to(tl.int32))
+        up = c >= k_eff
+        a = tl.where(up, m, a)
+        ca = tl.where(up, c, ca)
+        b = tl.where(up, b, m)
+        cb = tl.where(up, cb, c)
+        left = tl.minimum(ca - k_eff, k_eff - 1 - cb)
+        bisect = (~bisect) & (2 * left > excess)
+        excess = left
+    t_below = a
+    if (ca != k_eff) & (k_eff - cb == 1):
+        t_below = tl.max(tl.where(keys < b, keys, _NONE))
+    t, r = _select_rule(a, ca, cb, k_eff, k, t_below)
+
+    # Inclusive ranks in list order of the elements > t (low 16 bits) and == t (high 16 bits).
+    gt = keys > t
+    eq = keys == t
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    per_rep = tl.sum(packed, 1, keep_dims=True)
+    per_thread = tl.sum(per_rep, 0, keep_dims=True)
+    per_warp = tl.sum(per_thread, 3, keep_dims=True)
+    incl = tl.cumsum(per_warp, 2) - per_warp + tl.cumsum(per_thread, 3) - per_thread
+    incl += tl.cumsum(per_rep, 0) - per_rep + tl.cumsum(packed, 1)
+    n_eq = incl >> 16
+    take = gt | (eq & (n_eq <= r))
+    pos = (incl & 0xFFFF) + tl.minimum(n_eq, r) - 1
+    cols = (tl.load(list_ptr + idx, mask=take, other=0) & 0xFFFFFFFF).to(tl.int32)
+    tl.store(out_row + pos, cols, mask=take)
+
+
+@triton.jit
+def _stream_count(row_ptr, lo, hi, thr, CHUNK: tl.constexpr):
+    """Number of keys >= ``thr`` in the row range (one pass over the row)."""
+    n = tl.full([], 0, tl.int32)
+    for c0 in range((lo // CHUNK) * CHUNK, hi, CHUNK):
+        keys = _chunk_keys(row_ptr, c0, lo, hi, CHUNK)
+        n += tl.sum((keys >= thr).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _resolve_stream(row_ptr, lo, hi, n_cand, t_lo, t_hi, k, out_row, CHUNK: tl.constexpr):
+    """Slow exact path: T, r and the output from passes over the row. Returns k_eff.
+
+    Starts from what the streaming pass proved, count(>= t_lo) = n_cand (exact even when the
+    list overflowed), and one more pass counts the selectable elements and those above t_hi.
+    With heavy ties at the bracket (the usual reason to be here) that pins T at once; each
+    further bisection step is one counting pass over the row.
+    """
+    n_sel = tl.full([], 0, tl.int32)
+    n_above = tl.full([], 0, tl.int32)
+    for c0 in range((lo // CHUNK) * CHUNK, hi, CHUNK):
+        keys = _chunk_keys(row_ptr, c0, lo, hi, CHUNK)
+        n_sel += tl.sum((keys != _NONE).to(tl.int32), 0)
+        n_above += tl.sum((keys > t_hi).to(tl.int32), 0)
+    k_eff = tl.minimum(n_sel, k)
+    if k_eff > 0:
+        # count(>= a) = ca >= k_eff > cb = count(>= b), from the tightest known bounds.
+        lo_ok = n_cand >= k_eff
+        hi_ok = n_above < k_eff
+        a = tl.where(hi_ok, tl.where(lo_ok, t_lo, _KMIN), t_hi + 1)
+        ca = tl.where(hi_ok, tl.where(lo_ok, n_cand, n_sel), n_above)
+        b = tl.where(lo_ok, tl.where(hi_ok, t_hi + 1, _KINF + 1), t_lo)
+        cb = tl.where(lo_ok, tl.where(hi_ok, n_above, 0), n_cand)
+        while (ca > k_eff) & (k_eff - cb > 1) & (b > a + 1):
+            m = _midpoint(a, b)
+            c = _stream_count(row_ptr, lo, hi, m, CHUNK)
+            up = c >= k_eff
+            a = tl.where(up, m, a)
+            ca = tl.where(up, c, ca)
+            b = tl.where(up, b, m)
+            cb = tl.where(up, cb, c)
+        t_below = a
+        if (ca != k_eff) & (k_eff - cb == 1):
+            t_below = tl.full([], _NONE, tl.int32)
+            for c0 in range((lo // CHUNK) * CHUNK, hi, CHUNK):
+                keys = _chunk_keys(row_ptr, c0, lo, hi, CHUNK)
+                t_below = tl.maximum(t_below, tl.max(tl.where(keys < b, keys, _NONE), 0))
+        t, r = _select_rule(a, ca, cb, k_eff, k, t_below)
+        base_gt = tl.full([], 0, tl.int32)
+        base_eq = tl.full([], 0, tl.int32)
+        for c0 in range((lo // CHUNK) * CHUNK, hi, CHUNK):
+            keys = _chunk_keys(row_ptr, c0, lo, hi, CHUNK)
+            cols = c0 + tl.arange(0, CHUNK)
+            base_gt, base_eq = _emit(keys, cols, t, r, base_gt, base_eq, out_row)
+    return k_eff
+
+
+@triton.jit
+def _retry_bound(t_lo, n_cand, slope, target):
+    """A new lower bound whose count(>=) should be ``target``, moving the value of ``t_lo``
+    (whose count is ``n_cand``) by ``(n_cand - target) / slope``; kept normal like t_lo."""
+    v = _key_value(t_lo) + (n_cand - target).to(tl.float32) / tl.where(slope > 0.0, slope, 1.0)
+    t = tl.minimum(tl.maximum(_order_key(v.to(tl.int32, bitcast=True)), _KMIN), _KINF)
+    return tl.where((t > -_KNORM) & (t < _KNORM), -_KNORM, t)
+
+
+@triton.jit(noinline=True)
+def _topk_row(
+    scores_ptr,
+    stride_row,
+    lo_ptr,
+    hi_ptr,
+    out_ptr,
+    list_ptr,
+    row,
+    k,
+    CHUNK: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    RUN: tl.constexpr,
+    LIST: tl.constexpr,
+    REPS: tl.constexpr,
+    TAIL: tl.constexpr,
+    WARPS: tl.constexpr,
+):
+    """All of one row. A separate function so that per-thread index patterns are rebuilt per
+    row instead of being hoisted out of the row loop, where they would pin registers."""
+    lo = tl.load(lo_ptr + row)
+    hi = tl.maximum(tl.load(hi_ptr + row), lo)
+    span = hi - lo
+    row_ptr = scores_ptr + row.to(tl.int64) * stride_row
+    out_row = out_ptr + row.to(tl.int64) * k
+
+    t_lo = tl.full([], _KMIN, tl.int32)
+    t_hi = tl.full([], _KINF, tl.int32)
+    slope = tl.full([], 0.0, tl.float32)
+    if span > k:
+        t_lo, t_hi, slope = _sample_bracket(row_ptr, lo, span, k, SAMPLE, RUN)
+    # Stream the row into the lists. They are usable if they hold every selectable element (no
+    # lower bound) or at least k of them, and did not overflow. An unlucky sample (about 1 row
+    # in 500 at 3 standard deviations) is corrected by one more pass with a bound aimed at the
+    # middle of [k, LIST], from the measured count and the sampled density, rather than by the
+    # slow path; heavy ties at the bound leave nothing to move and go to the slow path.
+    n_w = _warp_stream(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
+    n_cand = tl.sum(n_w)
+    fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
+    if (~fits) & (slope > 0.0) & (k < LIST):
+        t_new = _retry_bound(t_lo, n_cand, slope, (k + LIST) // 2)
+        if t_new != t_lo:
+            n_w = _warp_stream_again(
+                row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS
+            )
+            n_cand = tl.sum(n_w)
+            t_lo = t_new
+            t_hi = tl.where(t_hi >= t_lo, t_hi, _KINF)
+            fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
+    tl.debug_barrier()  # the lists are read by other warps from here on
+
+    # With no lower bound the list holds every selectable element, so it also counts them.
+    complete = t_lo == _KMIN
+    k_eff = tl.where(complete, tl.minimum(n_cand, k), k)
+    if fits:
+        _compact_lists(list_ptr, n_w, LIST, WARPS)
+        tl.debug_barrier()
+        _resolve_list(list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST, WARPS)
+    else:
+        k_eff = _resolve_stream(row_ptr, lo, hi, n_cand, t_lo, t_hi, k, out_row, CHUNK)
+
+    for j0 in range((k_eff // TAIL) * TAIL, k, TAIL):
+        j = j0 + tl.arange(0, TAIL)
+        tl.store(out_row + j, tl.full([TAIL], -1, tl.int32), mask=(j >= k_eff) & (j < k))
+    tl.debug_barrier()  # everyone is done with the list before the next row refills it
+
+
+@triton.jit(do_not_specialize=["k"])
+def _ranged_topk_kernel(
+    scores_ptr,
+    stride_row,
+    lo_ptr,
+    hi_ptr,
+    out_ptr,
+    list_base,
+    counter_ptr,
+    rows,
+    k,
+    CHUNK: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    RUN: tl.constexpr,
+    LIST: tl.constexpr,
+    REPS: tl.constexpr,
+    TAIL: tl.constexpr,
+    WARPS: tl.constexpr,
+):
+    # Rows come from a counter rather than a fixed stride so that the grid may exceed what is
+    # resident at once and uneven rows (causal ranges) still balance.
+    list_ptr = list_base + tl.program_id(0).to(tl.int64) * (WARPS * LIST)
+    row = tl.atomic_add(counter_ptr, 1)
+    while row < rows:
+        _topk_row(
+            scores_ptr,
+            stride_row,
+            lo_ptr,
+            hi_ptr,
+            out_ptr,
+            list_ptr,
+            row,
+            k,
+            CHUNK,
+            SAMPLE,
+            RUN,
+            LIST,
+            REPS,
+            TAIL,
+            WARPS,
+        )
+        row = tl.atomic_add(counter_ptr, 1)
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """Tiling of :func:`ranged_topk_triton` (all sizes powers of two).
+
+    num_warps: warps per program; each streams its own segment of a row.
+    reps: rows of 128 columns per warp and step of the streaming pass (4 * reps per thread).
+    sample: sampled columns per row; run: adjacent columns per sampled run.
+    list_size: entries of each warp's candidate list (k plus the bracket, with margin); also
+        the register tile of the resolve (``list_size / (32 * num_warps)`` keys per thread).
+    chunk: columns per step of the slow exact path.
+    programs_per_sm: programs launched per SM (rows are shared out dynamically).
+    """
+
+    num_warps: int
+    reps: int
+    sample: int
+    run: int
+    list_size: int
+    chunk: int
+    programs_per_sm: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _list_size(n: int, k: int, sample: int) -> int:
+    """A list capacity that the bracket of a length-n row overflows with probability ~1e-3.
+
+    The list receives every element >= t_lo, the sample element of rank j_lo (plus the early
+    stop's slack); that element's rank in the row is j_lo / f (f = sample / n) with standard
+    deviation sqrt(j_lo (1 - j_lo / sample)) / f, and the capacity covers 3 of those. Shorter
+    rows sample a larger fraction and stay further below. Rows never hold more than n.
+    """
+    f = sample / n
+    jc = k * f
+    sd = math.sqrt(max(jc * (1.0 - min(jc / sample, 1.0)), 0.0))
+    j_lo = math.ceil(jc + 3.0 * sd + 2.0) + max(int(0.5 * sd), 1)
+    spread = math.sqrt(j_lo * max(1.0 - j_lo / sample, 0.0))
+    need = max(k, math.ceil((j_lo + 3.0 * spread) / f))
+    return _next_pow2(min(n, need))
+
+
+def default_config(n: int, k: int) -> TopkConfig:
+    """Heuristic tiling for rows of n columns and k selected (H200-oriented).
+
+    * Rows up to 16384 (the 16k causal case): 4 warps streaming 256 columns each per step, so
+      that segments of ragged rows round up by little; the sample is 1/32 of the row (at least
+      64), which keeps the list near k + k/2 whatever the length.
+    * Longer rows: 8 warps streaming 512 columns each per step (with the next step's loads in
+      flight, 2 KB per warp: enough to stream at full bandwidth from 16 warps per SM), a 1/32
+      sample of at most 4096 in runs of 8 adjacent columns (whole 32-byte sectors: the
+      sample then adds ~1/32 of the row's traffic, not a sector per sampled element).
+    * A list of 8192 needs 8 warps so that the search holds 32 keys per thread.
+    * 16 warps per SM (4 or 2 programs): what the ~128 registers per thread allow.
+    """
+    n_pow2 = _next_pow2(max(n, 1))
+    sample = min(max(n_pow2 // 32, 64), 4096)
+    long_rows = n_pow2 > 16384
+    list_size = _list_size(max(n, 1), k, sample)
+    num_warps = 8 if long_rows or list_size > 4096 else 4
+    list_size = max(list_size, 128 * num_warps)
+    return TopkConfig(
+        num_warps=num_warps,
+        reps=4 if long_rows else 2,
+        sample=sample,
+        run=8 if long_rows else 1,
+        list_size=list_size,
+        chunk=512 * num_warps,
+        programs_per_sm=16 // num_warps,
+    )
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def ranged_topk_triton(
+    scores: torch.Tensor,
+    k: int,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    *,
+    config: TopkConfig | None = None,
+) -> torch.Tensor:
+    """Exact top-k columns of each row of ``scores`` over ``[lo, hi)``.
+
+    Args:
+        scores: ``[R, N]`` float32 / bfloat16 / float16 with ``stride(1) == 1`` (any row stride),
+            on CUDA (or on CPU under ``TRITON_INTERPRET=1``). Only columns in a row's range are
+            read; bf16 / fp16 are compared after an exact upcast to fp32.
+        k: columns per row, ``k >= 1`` (may exceed N).
+        lo, hi: int32 ``[R]``, already clipped to ``[0, N]``; a row with ``hi <= lo`` is empty.
+        config: tiling override (tests); default :func:`default_config`.
+
+    Returns:
+        int32 ``[R, k]``: the columns of the k largest in-range values in ascending order, -1
+        after them when fewer than k are selectable. NaN and -inf are never selected; ties at
+        the k-th value keep the smaller column. No host synchronisation (CUDA-graph safe).
+    """
+    if scores.dim() != 2 or scores.stride(1) != 1:
+        raise ValueError("ranged_topk_triton: scores must be [R, N] with unit column stride")
+    lo, hi = lo.contiguous(), hi.contiguous()
+    rows, n = scores.shape
+    if rows == 0 or n == 0:
+        return torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
+    cfg = config or default_config(n, k)
+    if scores.device.type == "cuda":
+        programs = min(rows, _sm_count(scores.device) * cfg.programs_per_sm)
+    else:  # the interpreter runs programs one after another
+        programs = min(rows, 2)
+    out = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+    lists = torch.empty(
+        (programs, cfg.num_warps, cfg.list_size), dtype=torch.int64, device=scores.device
+    )
+    counter = torch.zeros(1, dtype=torch.int32, device=scores.device)
+    _ranged_topk_kernel[(programs,)](
+        scores,
+        scores.stride(0),
+        lo,
+        hi,
+        out,
+        lists,
+        counter,
+        rows,
+        k,
+        CHUNK=cfg.chunk,
+        SAMPLE=cfg.sample,
+        RUN=cfg.run,
+        LIST=cfg.list_size,
+        REPS=cfg.reps,
+        TAIL=min(_next_pow2(k), 1024),
+        WARPS=cfg.num_warps,
+        num_warps=cfg.num_warps,
+    )
+    return out
