@@ -15,14 +15,17 @@ A program takes rows from a shared counter; per row (length ``L = hi - lo``):
    element >= ``t_lo`` (fp32 bits and column, in column order) to its own list in global
    scratch; ranks within a warp need no barrier. The lists are then concatenated (~k entries,
    L2 resident), so the stream is the only pass over the scores in HBM.
-3. **Resolve** on the list when it proves the bracket right (it holds at least k elements, or
+3. **Retry** once if the list came out short of k or overflowed (an unlucky sample, about one
+   row in 500): a new lower bound from the sample, calibrated by the count just measured, and
+   one more streaming pass.
+4. **Resolve** on the list when it proves the bracket right (it holds at least k elements, or
    every selectable one, and did not overflow): find T by interpolation search in
    ``[t_lo, t_hi]`` (or above t_hi) over the list held in registers, then write the chosen
    columns at the ranks given by cumsums (ascending column order; ties at T are taken in
    column order).
-4. Otherwise (an unlucky sample, heavy ties at the bracket, fewer than k selectable) a **slow
-   exact path** re-reads the row: one pass counts the selectable elements and those above
-   t_hi, which with ties usually pins T at once; else each bisection step is a counting pass.
+5. Otherwise (heavy ties at the bound, fewer than k selectable, two misses) a **slow exact
+   path** re-reads the row: one pass counts the selectable elements and those above t_hi,
+   which with ties usually pins T at once; else each bisection step is a counting pass.
 
 HBM traffic is one read of the in-range scores plus the sample (~1/32 of it, in runs of whole
 sectors on long rows); the lists and the output are small. The result depends only on the
@@ -88,21 +91,9 @@ def _chunk_keys(row_ptr, c0, lo, hi, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _sample_bracket(row_ptr, lo, span, k, SAMPLE: tl.constexpr, RUN: tl.constexpr):
-    """Keys ``(t_lo, t_hi)`` that very likely bracket the k-th largest of the row.
-
-    The sample is ``SAMPLE // RUN`` runs of ``RUN`` adjacent columns spread evenly over the
-    range (runs keep the extra HBM sectors few on long rows). A sample element of rank j stands
-    for rank about ``j * span / n_in`` of the row; ``t_lo`` is the sample element of rank
-    ``jc + 3 sd + 2`` and ``t_hi`` the one of rank ``jc - 3 sd - 2``, with ``jc`` the expected
-    rank of the k-th largest and ``sd`` its binomial standard deviation. Both searches stop
-    once their interval holds at most ``eps`` sample elements (a looser bound, never a wrong
-    one). A rank beyond the sample gives the open bound (``_KMIN`` / ``_KINF``).
-
-    Also returns the estimated density of the row between the bounds (elements per unit of
-    value, 0 when a bound is open or the bounds coincide), from which :func:`_retry_bound`
-    corrects a lower bound that turned out wrong.
-    """
+def _load_sample(row_ptr, lo, span, SAMPLE: tl.constexpr, RUN: tl.constexpr):
+    """Keys of ``SAMPLE // RUN`` runs of ``RUN`` adjacent columns spread evenly over the range
+    (runs keep the extra HBM sectors few on long rows), and how many of them are in range."""
     j = tl.arange(0, SAMPLE)
     # Run g starts at floor(g * span / G): split span so that no product overflows int32.
     G: tl.constexpr = SAMPLE // RUN
@@ -110,20 +101,20 @@ def _sample_bracket(row_ptr, lo, span, k, SAMPLE: tl.constexpr, RUN: tl.constexp
     off = g * (span // G) + (g * (span % G)) // G + j % RUN
     inside = off < span
     x = tl.load(row_ptr + lo + off, mask=inside, other=0.0).to(tl.float32)
-    keys = _keys(x.to(tl.int32, bitcast=True), inside)
-    n_sel = tl.sum((keys != _NONE).to(tl.int32), 0)
-    n_in = tl.sum(inside.to(tl.int32), 0).to(tl.float32)
-    jc = k.to(tl.float32) * n_in / span.to(tl.float32)
-    sd = tl.sqrt(tl.maximum(jc * (1.0 - jc / n_in), 0.0))
-    j_hi = tl.floor(jc - 3.0 * sd - 2.0).to(tl.int32)
-    j_lo = tl.ceil(jc + 3.0 * sd + 2.0).to(tl.int32)
-    eps = tl.maximum((0.5 * sd).to(tl.int32), 1)
+    return _keys(x.to(tl.int32, bitcast=True), inside), tl.sum(inside.to(tl.int32), 0)
 
-    # Lane 0 looks for the element of sample rank j_hi, lane 1 for rank j_lo, with the
-    # invariant count(>= a) = ca >= target > cb = count(>= b), from [min, max] of the sample.
-    # The pivot halves the interval in key space (about log-scale in value), except while the
-    # interval holds zero, where key space would spend steps on tiny magnitudes: there it
-    # halves the value range instead.
+
+@triton.jit
+def _search_sample(keys, n_sel, j_hi, j_lo, eps):
+    """Keys near the sample elements of ranks j_hi and j_lo (1 = largest): returns ``b_hi``,
+    with count(keys >= b_hi) < j_hi, and ``a_lo``, with count(keys >= a_lo) >= j_lo, each
+    within ``eps`` sample elements of the rank (ranks are clamped to [1, n_sel]).
+
+    Two searches in lockstep (lane 0, lane 1), with the invariant count(>= a) = ca >=
+    target > cb = count(>= b), from [min, max] of the sample. The pivot halves the interval in
+    key space (about log-scale in value), except while the interval holds zero, where key
+    space would spend steps on tiny magnitudes: there it halves the value range instead.
+    """
     lane = tl.arange(0, 2)
     target = tl.minimum(tl.maximum(tl.where(lane == 0, j_hi, j_lo), 1), tl.maximum(n_sel, 1))
     a = tl.full([2], 0, tl.int32) + tl.min(tl.where(keys != _NONE, keys, _KINF), 0)
@@ -144,21 +135,54 @@ def _sample_bracket(row_ptr, lo, span, k, SAMPLE: tl.constexpr, RUN: tl.constexp
         b = tl.where(down, m, b)
         cb = tl.where(down, c, cb)
         active = (ca - cb > eps) & (b > a + 1)
-    t_hi = tl.sum(tl.where(lane == 0, b, 0), 0) - 1
-    t_lo = tl.sum(tl.where(lane == 1, a, 0), 0)
-    open_hi = (j_hi < 1) | (j_hi > n_sel)
-    open_lo = j_lo > n_sel
-    t_hi = tl.where(open_hi, _KINF, t_hi)
-    t_lo = tl.where(open_lo, _KMIN, t_lo)
-    # Widen thresholds that fall among zeros and subnormals to the nearest normal value.
-    t_lo = tl.where((t_lo > -_KNORM) & (t_lo < _KNORM), -_KNORM, t_lo)
+    return tl.sum(tl.where(lane == 0, b, 0), 0), tl.sum(tl.where(lane == 1, a, 0), 0)
+
+
+@triton.jit
+def _normal_lower(t):
+    """A lower bound among zeros and subnormals, widened to the nearest normal value (the
+    stream compares fp32 values, which a flush-to-zero compare would get wrong there)."""
+    return tl.where((t > -_KNORM) & (t < _KNORM), -_KNORM, t)
+
+
+@triton.jit
+def _sample_bracket(row_ptr, lo, span, k, SAMPLE: tl.constexpr, RUN: tl.constexpr):
+    """Keys ``(t_lo, t_hi)`` that very likely bracket the k-th largest of the row.
+
+    A sample element of rank j stands for rank about ``j * span / n_in`` of the row; ``t_lo``
+    is the sample element of rank ``jc + 3 sd + 2`` and ``t_hi`` the one of rank
+    ``jc - 3 sd - 2``, with ``jc`` the expected rank of the k-th largest and ``sd`` its
+    binomial standard deviation, each within ``sd / 2`` sample elements (a looser bound, never
+    a wrong one). A rank beyond the sample gives the open bound (``_KMIN`` / ``_KINF``).
+    """
+    keys, n_in = _load_sample(row_ptr, lo, span, SAMPLE, RUN)
+    n_sel = tl.sum((keys != _NONE).to(tl.int32), 0)
+    jc = k.to(tl.float32) * n_in.to(tl.float32) / span.to(tl.float32)
+    sd = tl.sqrt(tl.maximum(jc * (1.0 - jc / n_in.to(tl.float32)), 0.0))
+    j_hi = tl.floor(jc - 3.0 * sd - 2.0).to(tl.int32)
+    j_lo = tl.ceil(jc + 3.0 * sd + 2.0).to(tl.int32)
+    eps = tl.maximum((0.5 * sd).to(tl.int32), 1)
+    b_hi, a_lo = _search_sample(keys, n_sel, j_hi, j_lo, eps)
+    t_hi = tl.where((j_hi < 1) | (j_hi > n_sel), _KINF, b_hi - 1)
+    t_lo = tl.where(j_lo > n_sel, _KMIN, a_lo)
+    # t_hi is compared as a key only, but kept normal too so that the bounds stay ordered.
     t_hi = tl.where((t_hi > -_KNORM) & (t_hi < _KNORM), _KNORM, t_hi)
-    # Row elements per unit of value between the two bounds, for a retry (0: none possible).
-    between = tl.sum(tl.where(lane == 1, ca, 0) - tl.where(lane == 0, cb, 0), 0)
-    gap = _key_value(t_hi) - _key_value(t_lo)
-    slope = between.to(tl.float32) * (span.to(tl.float32) / n_in) / gap
-    usable = (~open_hi) & (~open_lo) & (gap > 0.0) & (slope < float("inf"))
-    return t_lo, t_hi, tl.where(usable, slope, 0.0)
+    return _normal_lower(t_lo), t_hi
+
+
+@triton.jit
+def _retry_bound(row_ptr, lo, span, t_lo, n_cand, target, SAMPLE: tl.constexpr, RUN: tl.constexpr):
+    """A new lower bound expected to have ``target`` elements above it, after ``t_lo`` turned
+    out to have ``n_cand``: the sample element of rank ``ca * target / n_cand``, where ca
+    sample elements are >= t_lo. Calibrating the sample by the measured count corrects what
+    made the first bound miss (a plain unlucky sample, or sampled columns unlike the rest)."""
+    keys, _in_range = _load_sample(row_ptr, lo, span, SAMPLE, RUN)
+    n_sel = tl.sum((keys != _NONE).to(tl.int32), 0)
+    ca = tl.sum((keys >= t_lo).to(tl.int32), 0)
+    scale = target.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
+    rank = tl.ceil(ca.to(tl.float32) * scale).to(tl.int32)
+    _b_hi, a_lo = _search_sample(keys, n_sel, rank, rank, 1)
+    return _normal_lower(tl.where(rank > n_sel, _KMIN, a_lo))
 
 
 @triton.jit
@@ -237,7 +261,7 @@ def _stream_body(
     return n_w
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _warp_stream(
     row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
 ):
@@ -246,12 +270,13 @@ def _warp_stream(
     return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _warp_stream_again(
     row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
 ):
     """:func:`_warp_stream` for the retry: a second function rather than a second call site of
     the first, which makes ptxas give the stream many more registers."""
+    tl.debug_barrier()  # the first pass's stores to the lists land before this pass's
     return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
 
 
@@ -435,15 +460,6 @@ def _resolve_stream(row_ptr, lo, hi, n_cand, t_lo, t_hi, k, out_row, CHUNK: tl.c
 
 
 @triton.jit
-def _retry_bound(t_lo, n_cand, slope, target):
-    """A new lower bound whose count(>=) should be ``target``, moving the value of ``t_lo``
-    (whose count is ``n_cand``) by ``(n_cand - target) / slope``; kept normal like t_lo."""
-    v = _key_value(t_lo) + (n_cand - target).to(tl.float32) / tl.where(slope > 0.0, slope, 1.0)
-    t = tl.minimum(tl.maximum(_order_key(v.to(tl.int32, bitcast=True)), _KMIN), _KINF)
-    return tl.where((t > -_KNORM) & (t < _KNORM), -_KNORM, t)
-
-
-@triton.jit(noinline=True)
 def _topk_row(
     scores_ptr,
     stride_row,
@@ -471,19 +487,18 @@ def _topk_row(
 
     t_lo = tl.full([], _KMIN, tl.int32)
     t_hi = tl.full([], _KINF, tl.int32)
-    slope = tl.full([], 0.0, tl.float32)
     if span > k:
-        t_lo, t_hi, slope = _sample_bracket(row_ptr, lo, span, k, SAMPLE, RUN)
+        t_lo, t_hi = _sample_bracket(row_ptr, lo, span, k, SAMPLE, RUN)
     # Stream the row into the lists. They are usable if they hold every selectable element (no
     # lower bound) or at least k of them, and did not overflow. An unlucky sample (about 1 row
     # in 500 at 3 standard deviations) is corrected by one more pass with a bound aimed at the
-    # middle of [k, LIST], from the measured count and the sampled density, rather than by the
-    # slow path; heavy ties at the bound leave nothing to move and go to the slow path.
+    # middle of [k, LIST] rather than by the slow path; heavy ties at the bound leave nothing
+    # to move and go to the slow path.
     n_w = _warp_stream(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
     n_cand = tl.sum(n_w)
     fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
-    if (~fits) & (slope > 0.0) & (k < LIST):
-        t_new = _retry_bound(t_lo, n_cand, slope, (k + LIST) // 2)
+    if (~fits) & (span > k) & (k < LIST):
+        t_new = _retry_bound(row_ptr, lo, span, t_lo, n_cand, (k + LIST) // 2, SAMPLE, RUN)
         if t_new != t_lo:
             n_w = _warp_stream_again(
                 row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS
