@@ -84,7 +84,10 @@ class SparseAttentionConfig:
 
 TORCH_CONFIG = SparseAttentionConfig()
 
+# Hopper: the TileLang kernels with their default tiling at every head count (dsa-bench on the
+# H200 for glm5 and dsv4.1-flash at 8/16/64 heads; no alternative tiling swept yet).
 _HOPPER = SparseAttentionConfig(forward_backend="tilelang", backward_backend="tilelang")
+_MEASURED = "measured H200, default tiling (dsa-bench, glm5/dsv4.1 at 8/16/64 heads)"
 # Blackwell: FlashMLA's sparse prefill where it is installed (else the torch backend), the
 # torch backward; no TileLang kernel here is built or measured for sm_100 yet.
 _BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend="torch")
@@ -95,7 +98,11 @@ CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
     [KeyField("arch_major"), KeyField("rope_tail"), KeyField("heads", heads_bucket)],
     rows=[
         *(
-            ({"arch_major": 9, "rope_tail": tail, "heads": h}, _HOPPER, "initial, to be measured")
+            (
+                {"arch_major": 9, "rope_tail": tail, "heads": h},
+                _HOPPER,
+                _MEASURED if h != 32 else "unmeasured default (32 heads not benchmarked)",
+            )
             for tail in (True, False)
             for h in (8, 16, 32, 64)
         ),
