@@ -61,8 +61,31 @@ def _compile_all(specs, **common):
 # CPU: compile for sm_90a
 # --------------------------------------------------------------------------------------------
 
-# The variants the table can pick: heads bucket x RoPE tail, the kernel's default tiling.
-TABLE_VARIANTS = [dict(heads=h, dim=d) for d in (576, 512) for h in (8, 16, 64, 128)]
+
+def _table_rows():
+    """(heads, dim, tiling) for every TileLang backward row of the config table, the row's
+    None fields resolved to the kernel defaults."""
+    out = []
+    for row in CONFIG_TABLE.rows():
+        cfg, key = row.config, dict(row.key)
+        if getattr(cfg, "backward_backend", None) != "tilelang":
+            continue
+        tiling = _default_tiling(key["heads"]) | dict(dkv_reduce=cfg.dkv_reduce)
+        for name, field in (
+            ("block_i", "backward_block_i"),
+            ("num_stages", "backward_stages"),
+            ("split_store", "split_store"),
+        ):
+            if getattr(cfg, field) is not None:
+                tiling[name] = getattr(cfg, field)
+        out.append((key["heads"], 576 if key["rope_tail"] else 512, tiling))
+    return out
+
+
+# The variants the table can pick: every row, and 128 heads (two head blocks) on the 64 row.
+TABLE_VARIANTS = [dict(heads=h, dim=d, **t) for h, d, t in _table_rows()] + [
+    dict(heads=128, dim=d, **t) for h, d, t in _table_rows() if h == 64
+]
 SLOW_VARIANTS = [
     dict(heads=8, dim=576, dkv_reduce="atomic"),
     dict(heads=64, dim=576, dkv_reduce="atomic"),
@@ -183,23 +206,9 @@ def test_degenerate_shapes_launch_nothing():
 
 
 def _table_tilings():
-    """(heads, dim, tiling) for every TileLang backward row of the config table (None fields
-    resolved to the kernel defaults), plus a few more ring depths."""
-    out = []
-    for row in CONFIG_TABLE.rows():
-        cfg, key = row.config, dict(row.key)
-        if getattr(cfg, "backward_backend", None) != "tilelang":
-            continue
-        tiling = _default_tiling(key["heads"])
-        for name, field in (
-            ("block_i", "backward_block_i"),
-            ("num_stages", "backward_stages"),
-            ("split_store", "split_store"),
-            ("dkv_reduce", "dkv_reduce"),
-        ):
-            if getattr(cfg, field, None) is not None:
-                tiling[name] = getattr(cfg, field)
-        out.append((key["heads"], 576 if key["rope_tail"] else 512, tiling))
+    """(heads, dim, tiling) for every TileLang backward row of the config table, plus the
+    kernel defaults and a few more ring depths."""
+    out = _table_rows()
     out += [(heads, 576, _default_tiling(heads)) for heads in (8, 32, 64)]
     out.append((8, 576, dict(block_i=32, num_stages=3, split_store=4)))
     out.append((64, 576, dict(block_i=32, num_stages=2, split_store=8)))

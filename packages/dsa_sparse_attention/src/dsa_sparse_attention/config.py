@@ -84,10 +84,26 @@ class SparseAttentionConfig:
 
 TORCH_CONFIG = SparseAttentionConfig()
 
-# Hopper: the TileLang kernels with their default tiling at every head count (dsa-bench on the
-# H200 for glm5 and dsv4.1-flash at 8/16/64 heads; no alternative tiling swept yet).
-_HOPPER = SparseAttentionConfig(forward_backend="tilelang", backward_backend="tilelang")
-_MEASURED = "measured H200, default tiling (dsa-bench, glm5/dsv4.1 at 8/16/64 heads)"
+# Hopper: the TileLang kernels. Backward tiling from benchmarks/sweep_sparse_backward.py on the
+# H200 (16k tokens, the benchmark's causal indices; results/sparse_backward_sweep.csv): from 32
+# heads up the program is alone on its SM, and fp32 atomics straight from registers beat the
+# staged bulk reduce-adds (60.6 vs 67.1 ms at 64 heads, 48.1 vs 58.8 at 32); at 8 and 16 heads
+# two programs share an SM and the bulk reduce-adds win (32 vs 36 ms). The forward keeps its
+# default tiling at every head count.
+_HOPPER_SMALL = SparseAttentionConfig(forward_backend="tilelang", backward_backend="tilelang")
+_HOPPER_32 = dataclasses.replace(
+    _HOPPER_SMALL, backward_block_i=32, backward_stages=1, split_store=4, dkv_reduce="atomic"
+)
+_HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
+_HOPPER = {8: _HOPPER_SMALL, 16: _HOPPER_SMALL, 32: _HOPPER_32, 64: _HOPPER_64}
+
+
+def _hopper_note(tail: bool, heads: int) -> str:
+    if tail or heads == 64:
+        return "measured H200 (sweep_sparse_backward.py and dsa-bench, 16k tokens)"
+    return "measured H200 at D=576; the 512-wide tiling follows it (swept at 64 heads only)"
+
+
 # Blackwell: FlashMLA's sparse prefill where it is installed (else the torch backend), the
 # torch backward; no TileLang kernel here is built or measured for sm_100 yet.
 _BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend="torch")
@@ -98,11 +114,7 @@ CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
     [KeyField("arch_major"), KeyField("rope_tail"), KeyField("heads", heads_bucket)],
     rows=[
         *(
-            (
-                {"arch_major": 9, "rope_tail": tail, "heads": h},
-                _HOPPER,
-                _MEASURED if h != 32 else "unmeasured default (32 heads not benchmarked)",
-            )
+            ({"arch_major": 9, "rope_tail": tail, "heads": h}, _HOPPER[h], _hopper_note(tail, h))
             for tail in (True, False)
             for h in (8, 16, 32, 64)
         ),

@@ -19,7 +19,12 @@ threads go on with the next slice's MMAs), or added with vectorised fp32 atomics
 registers (``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
 written. Query heads are padded to the MMA row block (16, 32 or 64) with zero rows.
 
-A small preprocess kernel computes ``delta = rowsum(out * dout)`` in fp32. Folding ``dlse``
+The bf16 ``out`` rounds ``delta = rowsum(o * do)``, and where attention is peaked (one key
+holds nearly all the weight) ``dP - delta`` cancels, so that rounding would dominate dq: the
+program also sums ``P * dP`` over its keys, which is the same rowsum with the fp32 ``o``, and
+corrects dq (and the delta dsink reads) by the difference at the end.
+
+A small preprocess kernel computes ``rowsum(out * dout)`` in fp32. Folding ``dlse``
 into delta, the ``dsink`` reduction over (batch, query) rows, clamping the indices for the
 gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
 torch ops in the wrapper.
@@ -196,6 +201,7 @@ def _build_main(
     value_slices = [c for c, (c0, _) in enumerate(slices) if c0 < d_v]
     stage_w = max(w for _, w in slices) + _STAGE_PAD
     use_tma = dkv_reduce == "tma"
+    has_tail = dim > d_v
     # K/V ring of `n_buf` slots: the fetch of block ib + n_buf starts as soon as block ib's
     # slot is free (after its dq MMA), so up to n_buf blocks are in flight or resident.
     n_buf = max(1, num_stages)
@@ -247,13 +253,17 @@ def _build_main(
                 T.exp2(e.acc_s[h, r] * e.scale_log2 - e.lse_f[h]),
                 0.0,
             )
-        # dS carries the softmax scale of the logits (dq and dk both need it).
+        # dS carries the softmax scale of the logits (dq and dk both need it). Alongside,
+        # sum P * dP: its row sum is rowsum(o * do) with the fp32 o (see `refine`).
         for h, r in T.Parallel(block_h, bs):
+            e.acc_pdp[h, r] += e.acc_s[h, r] * e.acc_dp[h, r]
             e.acc_dp[h, r] = e.acc_s[h, r] * (e.acc_dp[h, r] - e.delta_f[h]) * e.sm_scale
         T.copy(e.acc_s, e.p_s)
         T.copy(e.acc_dp, e.ds_s)
         for c, acc in enumerate(e.acc_dq):
             T.gemm(e.ds_s, kv[c], acc)
+        if has_tail:
+            T.gemm(e.p_s, kv[-1], e.acc_pk)  # sum_j P_j K_j over the RoPE tail columns
 
         # Slot `buf` is read for the last time above: refill it with block ib + n_buf now, so
         # that the fetch overlaps this block's key-gradient work (even with a single slot).
@@ -299,17 +309,51 @@ def _build_main(
                             e.acc_kv[c][r, d],
                         )
 
+    @T.macro
+    def refine(b_i, s_i, h0, n_real, sm_scale, Out, Dot, Delta, dQ, DeltaFix, e):
+        """Correct for the bf16 rounding of ``out`` in delta, then write dq and the exact delta.
+
+        The pass used ``delta = rowsum(out * do) - dlse`` from the bf16 ``out``; where the
+        attention is peaked, ``dP - delta`` cancels and that rounding dominates dS. The exact
+        delta differs by ``err = sum_j P_j dP_j - rowsum(out * do)``, which changes dS by
+        ``-P * err`` and so dq by ``-scale * err * sum_j P_j K_j``: that sum is ``out`` over the
+        value columns (K = V there; the correction is already second order in the rounding)
+        and ``acc_pk`` over the RoPE tail. dkv keeps the per-block dS: each key sums many
+        queries' terms, which averages the rounding out. ``DeltaFix`` gets the exact delta
+        (dsink reads it).
+        """
+        T.reduce_sum(e.acc_pdp, e.err_f, dim=1)
+        for h in T.Parallel(block_h):
+            e.err_f[h] = T.if_then_else(h < n_real, e.err_f[h] - Dot[b_i, s_i, h0 + h], 0.0)
+        for h in T.Parallel(block_h):
+            if h < n_real:
+                DeltaFix[b_i, s_i, h0 + h] = Delta[b_i, s_i, h0 + h] + e.err_f[h]
+        for c, (c0, w) in enumerate(slices):
+            for h, d in T.Parallel(block_h, w):
+                if h < n_real:
+                    pk = (
+                        T.cast(Out[b_i, s_i, h0 + h, c0 + d], T.float32)
+                        if c0 < d_v
+                        else e.acc_pk[h, d]
+                    )
+                    dQ[b_i, s_i, h0 + h, c0 + d] = T.cast(
+                        e.acc_dq[c][h, d] - sm_scale * e.err_f[h] * pk, T.bfloat16
+                    )
+
     @T.prim_func
     def main(
         Q: T.Tensor((batch, seq, heads, dim), T.bfloat16),
         KV: T.Tensor((batch, seq_kv, groups, dim), T.bfloat16),
+        Out: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
         dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
         Idx: T.Tensor((batch, seq, groups, topk), T.int32),
         IdxC: T.Tensor((batch, seq, groups, topk), T.int32),
         Lse2: T.Tensor((batch, seq, heads), T.float32),
+        Dot: T.Tensor((batch, seq, heads), T.float32),
         Delta: T.Tensor((batch, seq, heads), T.float32),
         dQ: T.Tensor((batch, seq, heads, dim), T.bfloat16),
         dKV: T.Tensor((batch, seq_kv, groups, dim), T.float32),
+        DeltaFix: T.Tensor((batch, seq, heads), T.float32),
         sm_scale: T.float32,
     ):
         with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=_PRELUDE) as (
@@ -330,6 +374,9 @@ def _build_main(
             valid = T.alloc_fragment((bs,), "bool")
             lse_f = T.alloc_fragment((block_h,), T.float32)
             delta_f = T.alloc_fragment((block_h,), T.float32)
+            err_f = T.alloc_fragment((block_h,), T.float32)
+            acc_pdp = T.alloc_fragment((block_h, bs), T.float32)
+            acc_pk = T.alloc_fragment((block_h, dim - d_v), T.float32) if has_tail else None
             acc_s = T.alloc_fragment((block_h, bs), T.float32)
             acc_dp = T.alloc_fragment((block_h, bs), T.float32)
             acc_dq = [T.alloc_fragment((block_h, w), T.float32) for _, w in slices]
@@ -351,7 +398,7 @@ def _build_main(
             for h in T.Parallel(block_h):
                 lse_f[h] = T.if_then_else(h < n_real, Lse2[b_i, s_i, h0 + h], 0.0)
                 delta_f[h] = T.if_then_else(h < n_real, Delta[b_i, s_i, h0 + h], 0.0)
-            for acc in acc_dq:
+            for acc in [*acc_dq, acc_pdp, *([acc_pk] if has_tail else [])]:
                 T.clear(acc)
             e = SimpleNamespace(
                 KV=KV,
@@ -373,10 +420,13 @@ def _build_main(
                 valid=valid,
                 lse_f=lse_f,
                 delta_f=delta_f,
+                err_f=err_f,
                 acc_s=acc_s,
                 acc_dp=acc_dp,
                 acc_dq=acc_dq,
                 acc_kv=acc_kv,
+                acc_pdp=acc_pdp,
+                acc_pk=acc_pk,
                 stage=stage,
             )
 
@@ -391,10 +441,7 @@ def _build_main(
                 # Shared memory must outlive the last bulk reads: wait for full completion
                 # (threads that issued none return at once).
                 T.tma_store_wait(0, False)
-            for c, (c0, w) in enumerate(slices):
-                for h, d in T.Parallel(block_h, w):
-                    if h < n_real:
-                        dQ[b_i, s_i, h0 + h, c0 + d] = T.cast(acc_dq[c][h, d], T.bfloat16)
+            refine(b_i, s_i, h0, n_real, sm_scale, Out, Dot, Delta, dQ, DeltaFix, e)
 
     return main
 
@@ -403,8 +450,9 @@ def _build_main(
 class BackwardKernels:
     """The compiled kernels of one static configuration (see :func:`compile_backward`)."""
 
-    preprocess: tilelang.JITKernel  # (out, dout, delta)
-    main: tilelang.JITKernel  # (q, kv, dout, idx, idx_clamped, lse2, delta, dq, dkv_fp32, scale)
+    preprocess: tilelang.JITKernel  # (out, dout, rowsum(out * dout))
+    # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_fp32, delta_fix, scale)
+    main: tilelang.JITKernel
     topk_padded: int
 
 
@@ -602,27 +650,32 @@ def sparse_attention_backward_tilelang(
         # Padding of any kind gathers row 0 (always in range); the kernel masks it from `idx`.
         idx_c = torch.where((idx >= 0) & (idx < s_kv), idx, 0)
         dout = _aligned(dout)
-        delta = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
-        kernels.preprocess(_aligned(out), dout, delta)
+        out = _aligned(out)
+        dot = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+        kernels.preprocess(out, dout, dot)
     else:
-        delta = (out.float() * dout.float()).sum(-1)  # only dsink reads it
-    if dlse is not None:
-        # d lse / d s_j = p_j, so the lse gradient folds into delta.
-        delta = delta - dlse
+        dot = (out.float() * dout.float()).sum(-1)  # only dsink reads it
+    # d lse / d s_j = p_j, so the lse gradient folds into delta.
+    delta = dot - dlse if dlse is not None else dot
     if launch:
         dq = torch.empty_like(q)  # every real head row is written by the kernel
+        delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
         kernels.main(
             _aligned(q),
             _aligned(kv),
+            out,
             dout,
             idx,
             idx_c,
             _aligned(lse2),
+            dot,
             delta,
             dq,
             dkv_acc,
+            delta_fix,
             float(sm_scale),
         )
+        delta = delta_fix
     else:
         dq = torch.zeros_like(q)
     dsink = None
