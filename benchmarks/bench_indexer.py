@@ -1,6 +1,6 @@
 """Benchmark of the Triton indexer kernels on one GPU (H200 figures in DESIGN.md).
 
-    python benchmarks/bench_indexer.py [--out DIR] [--sweep]
+    python benchmarks/bench_indexer.py [--out DIR] [--sweep | --backward-sweep]
 
 Cases: T in {4k, 16k, 64k, 128k} tokens, H = 32, D = 128; one causal sequence, and 8 packed
 causal sequences of equal length. For each case:
@@ -18,7 +18,9 @@ causal sequences of equal length. For each case:
 
 Writes ``indexer.csv`` and ``indexer.png`` under ``--out`` (default ``benchmarks/results``).
 ``--sweep`` instead times candidate tilings per head count at 16k tokens and prints the best,
-as rows for ``dsa_indexer.config.INDEXER_CONFIGS``.
+as rows for ``dsa_indexer.config.INDEXER_CONFIGS``. ``--backward-sweep`` times the backward's
+variants (pipeline stages, ``backward_rotate``, ``backward_dk_split``) per head count on 16k
+causal, 16k packed8 and 4k causal, and prints the best per head count.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import gc
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -321,10 +324,74 @@ def sweep(t=16384):
         torch.cuda.empty_cache()
 
 
+# --backward-sweep: the backward's knobs over the table row's tiling, on these cases.
+BACKWARD_SWEEP_CASES = (("causal", 16384), ("packed8", 16384), ("causal", 4096))
+BACKWARD_SWEEP_KNOBS = ("backward_num_stages", "backward_rotate", "backward_dk_split")
+BACKWARD_SWEEP_VALUES = [
+    (stages, rotate, split) for stages in (2, 3) for rotate in (False, True) for split in (1, 2)
+]
+
+
+def _backward_case(layout, t, heads):
+    """``(fn, floor_ms)``: the backward on one benchmark case, ``fn(config=...)``."""
+    q, k, w, starts, ends, g = make_inputs(t, heads, DIM, LAYOUTS[layout])
+    indices = stratified_indices(starts, ends, TOPK, g)
+    grad = torch.randn(indices.shape, device="cuda", generator=g)
+    fn = partial(indexer_topk_scores_backward_triton, grad, q, k, w, indices)
+    return fn, bwd_floor_ms(t, t, heads, DIM, TOPK)
+
+
+def backward_sweep():
+    """Time the top-k scores backward (whole wrapper) per head count over the knob values of
+    ``BACKWARD_SWEEP_VALUES`` on the table row's block_k and warps, on each case of
+    ``BACKWARD_SWEEP_CASES``; print a table (ms and x floor) and the best candidate per head
+    count by the geometric mean of its times over the cases. Each candidate compiles once (the
+    cases share its specialisation); a few reps each keep the sweep to ~1-2 minutes."""
+    start = time.time()
+    case_names = [f"{layout} {t // 1024}k" for layout, t in BACKWARD_SWEEP_CASES]
+    for heads in (8, 16, 32, 64):
+        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        cases = [_backward_case(layout, t, heads) for layout, t in BACKWARD_SWEEP_CASES]
+        print(
+            f"\nheads={heads}: block_k {base.backward_block_k}, warps {base.backward_num_warps}"
+            f" (table row: stages {base.backward_num_stages}, rotate {base.backward_rotate},"
+            f" dk_split {base.backward_dk_split}); ms (x floor)"
+        )
+        print(f"  {'stages rotate split':>19s}  " + "  ".join(f"{n:>15s}" for n in case_names))
+        best = None
+        for values in BACKWARD_SWEEP_VALUES:
+            cfg = dataclasses.replace(base, **dict(zip(BACKWARD_SWEEP_KNOBS, values, strict=True)))
+            label = f"{values[0]:6d} {values[1]!s:>6s} {values[2]:5d}"
+            try:
+                ms = [cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5) for fn, _ in cases]
+            except Exception as e:  # resource limits of this GPU: report and move on
+                print(f"  {label}  skipped ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            cells = [f"{m:7.3f} ({m / f:4.2f}x)" for m, (_, f) in zip(ms, cases, strict=True)]
+            geo = math.prod(ms) ** (1 / len(ms))
+            print(f"  {label}  " + "  ".join(cells), flush=True)
+            if best is None or geo < best[1]:
+                best = (values, geo)
+        if best is not None:
+            knobs = ", ".join(
+                f"{n}={v}" for n, v in zip(BACKWARD_SWEEP_KNOBS, best[0], strict=True)
+            )
+            print(f"  best for heads={heads}: {knobs} (geomean {best[1]:.3f} ms)")
+        del cases
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\nbackward sweep took {time.time() - start:.0f} s")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--sweep", action="store_true", help="time candidate tilings instead")
+    parser.add_argument(
+        "--backward-sweep",
+        action="store_true",
+        help="time the backward's knob values per head count instead",
+    )
     parser.add_argument(
         "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
     )
@@ -337,6 +404,9 @@ def main():
         raise SystemExit("bench_indexer.py needs a CUDA GPU (or --plot CSV)")
     if args.sweep:
         sweep()
+        return
+    if args.backward_sweep:
+        backward_sweep()
         return
     lookup = resolve_indexer_config(torch.device("cuda"), HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")

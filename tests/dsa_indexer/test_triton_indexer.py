@@ -22,6 +22,7 @@ the GPU to 1e-5 (there ds enters the gradient products as bf16, by design).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -228,7 +229,15 @@ def test_config_validation():
         IndexerConfig(scores_num_warps=3)
     with pytest.raises(ValueError, match="logits_num_stages"):
         IndexerConfig(logits_num_stages=0)
-    cfg = IndexerConfig(logits_block_rows=64, backward_num_stages=3)
+    with pytest.raises(ValueError, match="backward_rotate"):
+        IndexerConfig(backward_rotate=1)
+    with pytest.raises(ValueError, match="backward_dk_split"):
+        IndexerConfig(backward_dk_split=4)
+    with pytest.raises(ValueError, match="backward_dk_split"):
+        IndexerConfig(backward_dk_split=True)
+    cfg = IndexerConfig(
+        logits_block_rows=64, backward_num_stages=3, backward_rotate=True, backward_dk_split=2
+    )
     assert IndexerConfig.from_json(cfg.to_json()) == cfg
 
 
@@ -326,6 +335,25 @@ def test_cpu_interp_topk_scores_and_backward(pattern, topk, heads, d):
     _check_scores_and_backward(q, k, w, indices, INTERP_CONFIG, accum_bar=1e-10)
 
 
+# The backward variants the config can select beyond the default (rotate=False, split=1).
+BACKWARD_VARIANTS = [(True, 1), (False, 2), (True, 2)]
+
+
+@interp_only
+@pytest.mark.parametrize("rotate,split", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("heads,d", [(20, 32), (8, 16)])
+def test_cpu_interp_backward_variants(rotate, split, heads, d):
+    """Rotated walks (37 slots: the partial block sits mid-walk for most queries) and the split
+    dk product (d = 16 falls back to one block: halves would be below the tensor-core width)."""
+    gen = _gen("variants", rotate, split, heads, d)
+    t_q = 29
+    starts, ends, t_kv = _layout("cp_offset", t_q, "cpu", gen)
+    q, k, w = _qkw(t_q, t_kv, heads, d, "cpu", gen)
+    indices = _indices(starts, ends, t_kv, 37, "messy", gen)
+    config = dataclasses.replace(INTERP_CONFIG, backward_rotate=rotate, backward_dk_split=split)
+    _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-10)
+
+
 # --------------------------------------------------------------------------- GPU
 
 LAYOUTS = ["causal", "packed_1tok", "ratio4", "cp_offset", "random"]
@@ -385,6 +413,24 @@ def test_gpu_topk_scores_every_config(config, heads):
     starts, ends, t_kv = _layout("packed_1tok", 2048, "cuda", gen)
     q, k, w = _qkw(2048, t_kv, heads, 128, "cuda", gen)
     indices = _indices(starts, ends, t_kv, 640, "messy", gen)
+    _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotate,split", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("pattern,topk", [("ranged", 2048), ("messy", 100)])
+@pytest.mark.parametrize("heads,d", [(8, 128), (32, 64), (32, 128), (64, 128)])
+def test_gpu_backward_variants(heads, d, pattern, topk, rotate, split):
+    """Each backward knob value on the table's tiling for these heads."""
+    gen = _gen("bwd-variants", heads, d, pattern, topk, rotate, split)
+    starts, ends, t_kv = _layout(
+        "causal" if pattern == "ranged" else "cp_offset", GPU_T, "cuda", gen
+    )
+    q, k, w = _qkw(GPU_T, t_kv, heads, d, "cuda", gen)
+    indices = _indices(starts, ends, t_kv, topk, pattern, gen)
+    config = dataclasses.replace(
+        _device_config(heads), backward_rotate=rotate, backward_dk_split=split
+    )
     _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-5)
 
 

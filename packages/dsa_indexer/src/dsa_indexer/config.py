@@ -12,6 +12,7 @@ from kernel_common import ConfigTable, KeyField, Lookup, device_arch, heads_buck
 
 BACKENDS = ("triton", "torch")
 _NUM_WARPS = (1, 2, 4, 8, 16)
+_DK_SPLITS = (1, 2)
 
 
 def _is_pow2(n: int) -> bool:
@@ -34,6 +35,14 @@ class IndexerConfig:
         scores_num_warps, scores_num_stages: its launch parameters.
         backward_block_k: selected keys gathered per step by the fused backward.
         backward_num_warps, backward_num_stages: its launch parameters.
+        backward_rotate: each backward program starts its walk over the selected keys at its
+            own step (query index mod steps) and wraps around, so that the programs running
+            together (adjacent queries, which select nearly the same keys in the same
+            ascending order) add into different dk rows at any moment instead of contending
+            for the same ones.
+        backward_dk_split: the backward computes the dk product ``ds @ q`` and its atomic adds
+            in this many column blocks of ``D / split`` (1 or 2; no split where a block would
+            be narrower than 16), which lowers its peak register count.
     """
 
     backend: str = "triton"
@@ -47,6 +56,8 @@ class IndexerConfig:
     backward_block_k: int = 64
     backward_num_warps: int = 4
     backward_num_stages: int = 2
+    backward_rotate: bool = False
+    backward_dk_split: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -72,6 +83,15 @@ class IndexerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"IndexerConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.backward_rotate, bool):
+            raise ValueError(
+                f"IndexerConfig.backward_rotate must be a bool, got {self.backward_rotate!r}"
+            )
+        if self.backward_dk_split not in _DK_SPLITS or isinstance(self.backward_dk_split, bool):
+            raise ValueError(
+                f"IndexerConfig.backward_dk_split must be one of {_DK_SPLITS},"
+                f" got {self.backward_dk_split!r}"
+            )
 
     def to_json(self) -> str:
         """Stable text form (a custom op's string argument)."""

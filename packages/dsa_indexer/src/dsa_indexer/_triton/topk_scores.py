@@ -13,7 +13,17 @@ kept) and, with ``g`` the incoming gradient and ``ds = [s > 0] * w * g``:
 * ``dq = dsᵀ @ K_sel`` (accumulated over the steps as ``K_selᵀ @ ds`` so that D = 64 / 128 is
   the M side of the product),
 * ``dk[idx[j]] += (ds @ q)[j]`` by fp32 atomic adds into a zeroed ``[T_kv, D]`` scratch, which
-  the wrapper casts to bf16. Duplicated indices add once per occurrence.
+  the wrapper casts to bf16. Duplicated indices add once per occurrence. On sm_90 Triton
+  already emits these as 16-byte vector reductions (``red.global.add.v4.f32``, SASS
+  ``REDG.E.ADD.F32x4``), 16 per thread per 64 x 128 step; at 2 x the gathered bytes they are the
+  backward's largest memory cost.
+
+Two backward variants are config knobs, since which is faster per head count has to be
+measured (``bench_indexer.py --backward-sweep``): ``backward_rotate`` starts each query's walk
+at its own step, so that programs running together do not add into the same dk rows at the same
+time; ``backward_dk_split = 2`` computes the dk product and its atomics in two column halves,
+for fewer live registers (Triton 3.6, sm_90, 32 heads x 128: 220 -> 164 per thread, three CTAs
+per SM instead of two; at 64 heads it removes a small spill).
 
 ``ds`` enters the two gradient products as bf16 (fp32 accumulation), as FlashAttention does
 for its dS; the relative error this adds is ~2^-9 per term, a rel_diff of ~1e-6.
@@ -27,6 +37,75 @@ import triton.language as tl
 
 from dsa_indexer._triton._common import check_head_dim, interpreted
 from dsa_indexer.config import IndexerConfig, table_config
+
+
+@triton.jit
+def _load_query_cols(
+    q_ptr,
+    t,
+    col0,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    COLS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Columns ``[col0, col0 + COLS)`` of query ``t``'s heads: ``[HP, COLS]``, zero at padded
+    heads; bf16, or fp32 under the interpreter (which has no bf16 matmul, see
+    _common.interpreted)."""
+    offs_h = tl.arange(0, HP)
+    offs_c = col0 + tl.arange(0, COLS)
+    qc = tl.load(
+        q_ptr + (t * H + offs_h)[:, None] * D + offs_c[None, :],
+        mask=(offs_h < H)[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        qc = qc.to(tl.float32)
+    return qc
+
+
+@triton.jit
+def _load_query(
+    q_ptr, w_ptr, t, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DOT_FP32: tl.constexpr
+):
+    """Query ``t``'s heads ``[HP, D]`` (as :func:`_load_query_cols`) and their fp32 weights
+    ``[HP]`` (zero at padded heads)."""
+    qb = _load_query_cols(q_ptr, t, 0, H, D, HP, D, DOT_FP32)
+    offs_h = tl.arange(0, HP)
+    wb = tl.load(w_ptr + t * H + offs_h, mask=offs_h < H, other=0.0)
+    return qb, wb
+
+
+@triton.jit
+def _gather_keys(
+    k_ptr,
+    row_idx,
+    offs_j,
+    T_kv,
+    TOPK,
+    stride_k,
+    D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Gather the key rows of one query's slots ``offs_j`` (``[BLOCK_K]``).
+
+    Returns ``(j_ok, valid, key_rows, kb)``: the slots inside ``[0, TOPK)``; those holding a
+    key in ``[0, T_kv)`` (the rest are padding, never read); their key rows (int64, meaningless
+    where not valid); and the keys ``[BLOCK_K, D]``, zero at padding, bf16 (fp32 under the
+    interpreter).
+    """
+    offs_d = tl.arange(0, D)
+    j_ok = offs_j < TOPK
+    idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
+    valid = (idx >= 0) & (idx < T_kv)
+    key_rows = idx.to(tl.int64)
+    kb = tl.load(
+        k_ptr + key_rows[:, None] * stride_k + offs_d[None, :], mask=valid[:, None], other=0.0
+    )
+    if DOT_FP32:
+        kb = kb.to(tl.float32)
+    return j_ok, valid, key_rows, kb
 
 
 @triton.jit
@@ -46,35 +125,32 @@ def _topk_scores_fwd_kernel(
     DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, HP)
-    offs_d = tl.arange(0, D)
-    h_ok = offs_h < H
-    qb = tl.load(
-        q_ptr + (t * H + offs_h)[:, None] * D + offs_d[None, :], mask=h_ok[:, None], other=0.0
-    )
-    wb = tl.load(w_ptr + t * H + offs_h, mask=h_ok, other=0.0)
-    if DOT_FP32:
-        # The interpreter has no bf16 matmul (see _common.interpreted).
-        qb = qb.to(tl.float32)
+    qb, wb = _load_query(q_ptr, w_ptr, t, H, D, HP, DOT_FP32)
     qt = tl.trans(qb)
     row_idx = idx_ptr + t * TOPK
     row_out = out_ptr + t * TOPK
 
     for j0 in range(0, TOPK, BLOCK_K):
         offs_j = j0 + tl.arange(0, BLOCK_K)
-        j_ok = offs_j < TOPK
-        idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
-        valid = (idx >= 0) & (idx < T_kv)
-        kb = tl.load(
-            k_ptr + idx.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        if DOT_FP32:
-            kb = kb.to(tl.float32)
+        j_ok, valid, _, kb = _gather_keys(k_ptr, row_idx, offs_j, T_kv, TOPK, stride_k, D, DOT_FP32)
         s = tl.dot(kb, qt)  # [BLOCK_K, HP]
         score = tl.sum(tl.maximum(s, 0.0) * wb[None, :], axis=1)
         tl.store(row_out + offs_j, tl.where(valid, score, float("-inf")), mask=j_ok)
+
+
+@triton.jit
+def _add_dk(dk_acc_ptr, key_rows, valid, ds, q_cols, col0, D: tl.constexpr, COLS: tl.constexpr):
+    """``dk_acc[key_rows, col0 : col0 + COLS] += ds @ q_cols`` by fp32 atomics, valid rows only.
+
+    ``ds`` is ``[BLOCK_K, HP]``, ``q_cols`` ``[HP, COLS]`` (both the dot dtype).
+    """
+    offs_c = col0 + tl.arange(0, COLS)
+    tl.atomic_add(
+        dk_acc_ptr + key_rows[:, None] * D + offs_c[None, :],
+        tl.dot(ds, q_cols),
+        mask=valid[:, None],
+        sem="relaxed",
+    )
 
 
 @triton.jit
@@ -94,21 +170,31 @@ def _topk_scores_bwd_kernel(
     D: tl.constexpr,
     HP: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DK_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, D)
     h_ok = offs_h < H
-    qb = tl.load(
-        q_ptr + (t * H + offs_h)[:, None] * D + offs_d[None, :], mask=h_ok[:, None], other=0.0
-    )
-    wb = tl.load(w_ptr + t * H + offs_h, mask=h_ok, other=0.0)
-    if DOT_FP32:
-        qb = qb.to(tl.float32)
+    qb, wb = _load_query(q_ptr, w_ptr, t, H, D, HP, DOT_FP32)
     qt = tl.trans(qb)
+    # The dk product in DK_SPLIT column blocks, each dotted and added before the next: its
+    # fp32 [BLOCK_K, D / DK_SPLIT] tile, with the layout change before the vector atomics,
+    # is what sets the peak register count.
+    DC: tl.constexpr = D // DK_SPLIT
+    if DK_SPLIT == 2:
+        q_lo = _load_query_cols(q_ptr, t, 0, H, D, HP, DC, DOT_FP32)
+        q_hi = _load_query_cols(q_ptr, t, DC, H, D, HP, DC, DOT_FP32)
     row_idx = idx_ptr + t * TOPK
     row_grad = grad_ptr + t * TOPK
+    if ROTATE:
+        # Programs that run together are adjacent queries, which select nearly the same keys
+        # in the same order: starting each walk at its own step spreads their atomic adds
+        # over the key rows instead of piling them onto the same rows at the same time.
+        span = tl.cdiv(TOPK, BLOCK_K) * BLOCK_K
+        start = (tl.program_id(0) % tl.cdiv(TOPK, BLOCK_K)) * BLOCK_K
 
     dq_t = tl.zeros((D, HP), dtype=tl.float32)
     # Reduced over the keys every step rather than kept as a [BLOCK_K, HP] accumulator summed
@@ -116,33 +202,27 @@ def _topk_scores_bwd_kernel(
     # at 8-16 heads.
     dw = tl.zeros((HP,), dtype=tl.float32)
     for j0 in range(0, TOPK, BLOCK_K):
-        offs_j = j0 + tl.arange(0, BLOCK_K)
-        j_ok = offs_j < TOPK
-        idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
-        valid = (idx >= 0) & (idx < T_kv)
-        key_rows = idx.to(tl.int64)
-        kb = tl.load(
-            k_ptr + key_rows[:, None] * stride_k + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
+        jb = j0
+        if ROTATE:
+            jb = j0 + start
+            jb = tl.where(jb < span, jb, jb - span)
+        offs_j = jb + tl.arange(0, BLOCK_K)
+        _, valid, key_rows, kb = _gather_keys(
+            k_ptr, row_idx, offs_j, T_kv, TOPK, stride_k, D, DOT_FP32
         )
         # Padding slots may carry any gradient (even NaN at a -inf score): never read it.
         g = tl.load(row_grad + offs_j, mask=valid, other=0.0)
-        if DOT_FP32:
-            kb = kb.to(tl.float32)
         s = tl.dot(kb, qt)  # [BLOCK_K, HP], recomputed scores
         active = s > 0.0
         dw += tl.sum(tl.where(active, s, 0.0) * g[:, None], axis=0)
         ds = tl.where(active, wb[None, :] * g[:, None], 0.0)
         ds = ds.to(kb.dtype)
         dq_t = tl.dot(tl.trans(kb), ds, dq_t)  # [D, HP]
-        dkb = tl.dot(ds, qb)  # [BLOCK_K, D]
-        tl.atomic_add(
-            dk_acc_ptr + key_rows[:, None] * D + offs_d[None, :],
-            dkb,
-            mask=valid[:, None],
-            sem="relaxed",
-        )
+        if DK_SPLIT == 2:
+            _add_dk(dk_acc_ptr, key_rows, valid, ds, q_lo, 0, D, DC)
+            _add_dk(dk_acc_ptr, key_rows, valid, ds, q_hi, DC, D, DC)
+        else:
+            _add_dk(dk_acc_ptr, key_rows, valid, ds, qb, 0, D, D)
 
     dq_off_t = (t * H + offs_h)[None, :] * D + offs_d[:, None]  # [D, HP], matches dq_t
     tl.store(dq_ptr + dq_off_t, dq_t.to(dq_ptr.dtype.element_ty), mask=h_ok[None, :])
@@ -299,6 +379,9 @@ def topk_scores_backward_into(
         D=d,
         HP=max(16, triton.next_power_of_2(heads)),
         BLOCK_K=cfg.backward_block_k,
+        ROTATE=cfg.backward_rotate,
+        # A column block narrower than 16 is below the tensor-core minimum: no split there.
+        DK_SPLIT=cfg.backward_dk_split if d // cfg.backward_dk_split >= 16 else 1,
         DOT_FP32=interpreted(q.device),
         num_warps=cfg.backward_num_warps,
         num_stages=cfg.backward_num_stages,
