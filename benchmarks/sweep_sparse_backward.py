@@ -39,7 +39,7 @@ def candidates(hg: int, dim: int, d_v: int, quick: bool) -> list[dict]:
     default = dict(block_i=block_i, num_stages=stages, split_store=split, dkv_reduce="tma")
     default["threads"] = bw.default_threads(hg)
     grid = itertools.product(
-        (16, 32) if quick else (16, 32, 64),
+        (16, 32, 64),
         (1, 2) if quick else (1, 2, 3),
         (2, 4),
         ("tma", "atomic"),

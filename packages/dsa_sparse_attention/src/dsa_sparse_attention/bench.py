@@ -10,6 +10,7 @@ default on the torch backend (and says so), checking it against the float64 refe
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
 import statistics
@@ -18,12 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from kernel_common import device_arch, tilelang_target
 from kernel_common.testing import rel_diff
 from topk import ranged_topk
 
 from dsa_sparse_attention import reference
 from dsa_sparse_attention._ops import forward_backend, resolve_config, sparse_attention
-from dsa_sparse_attention.config import FORWARD_BACKENDS
+from dsa_sparse_attention.config import CONFIG_TABLE, FORWARD_BACKENDS
 from dsa_sparse_attention.models import MODELS, ModelShape
 
 QUICK_TOKENS = (4096, 16384)
@@ -105,6 +107,39 @@ def usable(backends: list[str], model: ModelShape, tp: int, device) -> list[str]
         for b in backends
         if forward_backend(q, kv, model.d_v, dataclasses.replace(base, forward_backend=b)) == b
     ]
+
+
+def precompile(cases: list[tuple[ModelShape, int]], arch_major: int, target: str) -> int:
+    """Build the TileLang kernels of the table's rows for ``cases`` ((model, TP) pairs) on a
+    thread pool, so that nvcc runs in parallel rather than once per case inside the timing loop.
+    Needs nvcc, not a GPU (``target`` such as ``"sm_90a"``). Returns the number of kernels."""
+    from dsa_sparse_attention._tilelang.backward import compile_backward
+    from dsa_sparse_attention._tilelang.forward import compile_forward, padded_topk
+
+    jobs = set()
+    for model, tp in cases:
+        heads, d, d_v = model.local_heads(tp), model.d_qk, model.d_v
+        cfg = CONFIG_TABLE.lookup(arch_major=arch_major, rope_tail=d > d_v, heads=heads).config
+        if cfg.forward_backend == "tilelang":
+            topk = padded_topk(model.topk, cfg.forward_block_i)
+            jobs.add(
+                (compile_forward, (heads, 1, d, d_v, topk, model.sink, cfg.forward_block_i,
+                                   cfg.forward_stages, target), ())
+            )  # fmt: skip
+        if cfg.backward_backend == "tilelang":
+            tiling = (
+                ("block_i", cfg.backward_block_i),
+                ("num_stages", cfg.backward_stages),
+                ("split_store", cfg.split_store),
+                ("dkv_reduce", cfg.dkv_reduce),
+                ("target", target),
+            )
+            jobs.add((compile_backward, (heads, 1, d, d_v, model.topk), tiling))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(fn, *a, **dict(kw)) for fn, a, kw in jobs]
+        for f in futures:
+            f.result()
+    return len(jobs)
 
 
 def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device, peak) -> dict:
@@ -262,21 +297,23 @@ def main(argv=None) -> int:
             f"({tokens} tokens, TP=8 head counts unless --tp), precision vs the float64 reference"
         )
         backends = ["torch"]
+    tp_arg = [int(t) for t in args.tp.split(",")] if args.tp else None
+    cases = [
+        (model, tp) for model in models for tp in tp_arg or (model.tp_sizes if on_gpu else (8,))
+    ]
+    arch = device_arch(device) if on_gpu else None
+    if arch is not None and arch.is_hopper:
+        built = precompile(cases, arch.major, tilelang_target(arch)["arch"])
+        print(f"dsa-bench: {built} TileLang kernels built", flush=True)
     peak = bf16_peak_tflops(device)
     if peak:
         print(f"dsa-bench: {torch.cuda.get_device_name()} bf16 matmul ceiling {peak:.0f} TFLOP/s")
     rows = []
-    for model in models:
-        tps = (
-            [int(t) for t in args.tp.split(",")]
-            if args.tp
-            else (model.tp_sizes if on_gpu else (8,))
-        )
-        for tp in tps:
-            for n in tokens:
-                for backend in usable(backends, model, tp, device):
-                    rows.append(run_case(model, tp, n, backend, args, device, peak))
-                    print("done:", *(fmt(rows[-1][c]) for c in COLUMNS[:8]), flush=True)
+    for model, tp in cases:
+        for n in tokens:
+            for backend in usable(backends, model, tp, device):
+                rows.append(run_case(model, tp, n, backend, args, device, peak))
+                print("done:", *(fmt(rows[-1][c]) for c in COLUMNS[:8]), flush=True)
     print_table(rows)
     write_outputs(rows, args.csv, args.plot)
     return 0
