@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from topk._triton import TopkConfig, default_config, ranged_topk_triton
+from topk._triton.ranged_topk import _max_registers
 from topk.reference import ranged_topk_reference
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,6 +88,9 @@ def test_default_config_is_consistent(n, k):
     # The list must hold a whole row of length <= k, and fill whole [reps, 2, warps, 32] tiles.
     assert cfg.list_size >= min(n, k) and cfg.list_size % (64 * cfg.num_warps) == 0
     assert cfg.sample % cfg.run == 0 and cfg.list_size <= 32768 and cfg.chunk <= 32768
+    # Row counts of a streaming step are packed in bytes; the register cap fits the programs.
+    assert cfg.reps <= 4
+    assert 32 * cfg.num_warps * cfg.programs_per_sm * _max_registers(cfg) <= 65536
 
 
 def test_bracket_list_sizes_of_the_benchmark_shapes():
@@ -134,6 +138,22 @@ def test_cpu_interp_random_rows(k):
     lo[1], hi[1] = 3, 299  # unaligned on both ends
     lo[2], hi[2] = 0, 256  # one warp-aligned step per warp: the unmasked (interior) loads
     _run_interp(scores, k, lo, hi)
+
+
+@pytest.mark.parametrize("reps", [2, 4])
+@interp_only
+def test_cpu_interp_wide_steps(reps):
+    """Four warps streaming ``128 * reps`` columns each per step: the rows of a step packed in
+    the bytes of one lane scan, up to 128 candidates per row (k >= the range: every column)."""
+    gen = _gen("wide", reps)
+    n = 4000
+    scores = torch.randn(4, n, generator=gen)
+    lo = torch.tensor([0, 5, 1000, 0]).int()
+    hi = torch.tensor([n, n - 3, 3100, 1024]).int()
+    for k in (300, 1100):
+        _run_interp(
+            scores, k, lo, hi, num_warps=4, reps=reps, sample=128, list_size=1024, chunk=512
+        )
 
 
 @interp_only

@@ -108,23 +108,28 @@ TORCH_CONFIG = IndexerConfig(backend="torch")
 # Tiles that fit every CUDA arch Triton targets (about 80 KB of shared memory for D = 128).
 DEFAULT_CONFIG = IndexerConfig()
 
-_MEASURED = "measured H200 (bench_indexer.py --sweep, 16k causal tokens)"
+_MEASURED = (
+    "measured H200 (bench_indexer.py --sweep and --backward-sweep, 16k causal / packed8, 4k)"
+)
 
-# Fastest candidates of the sweep per head count: (logits rows, block_n, warps, stages) and
-# (backward block_k, warps, stages); the scores forward was fastest at (64, 4, 3) for all.
-# Two or three one-warpgroup CTAs per SM overlap one's epilogue with another's wgmma; 256
-# (query, head) rows only pay off at 8 heads (more queries share a key tile) and at 64 heads
-# with a third stage.
+# Fastest candidates of the sweeps per head count: (logits rows, block_n, warps, stages) and
+# (backward block_k, warps, stages, rotate, dk_split); the scores forward was fastest at
+# (64, 4, 3) for all. Two or three one-warpgroup CTAs per SM overlap one's epilogue with
+# another's wgmma; 256 (query, head) rows only pay off at 8 heads (more queries share a key tile)
+# and at 64 heads with a third stage. The backward is register-bound: splitting its dk product
+# in two column halves takes 32 heads from 220 registers (two CTAs per SM) to 164 (three), 7.4
+# -> 6.0 ms at 16k causal; rotating the key walk spreads the dk atomics of neighbouring queries
+# (which pick nearly the same keys) and wins a little at 8, 16 and 64 heads.
 _SWEEP = {
-    8: ((256, 64, 4, 2), (64, 4, 3)),
-    16: ((128, 64, 4, 2), (64, 4, 3)),
-    32: ((128, 64, 4, 2), (64, 4, 3)),
-    64: ((256, 64, 4, 3), (64, 4, 2)),
+    8: ((256, 64, 4, 2), (64, 4, 3, True, 2)),
+    16: ((128, 64, 4, 2), (64, 4, 2, True, 1)),
+    32: ((128, 64, 4, 2), (64, 4, 2, False, 2)),
+    64: ((256, 64, 4, 3), (64, 4, 2, True, 2)),
 }
 
 
 def _hopper(heads: int) -> IndexerConfig:
-    (rows, block_n, warps, stages), (bk, bwarps, bstages) = _SWEEP[heads]
+    (rows, block_n, warps, stages), (bk, bwarps, bstages, rotate, split) = _SWEEP[heads]
     return IndexerConfig(
         backend="triton",
         logits_block_rows=rows,
@@ -137,6 +142,8 @@ def _hopper(heads: int) -> IndexerConfig:
         backward_block_k=bk,
         backward_num_warps=bwarps,
         backward_num_stages=bstages,
+        backward_rotate=rotate,
+        backward_dk_split=split,
     )
 
 

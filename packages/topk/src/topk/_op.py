@@ -30,8 +30,12 @@ def _ranged_topk_op(
     # Ranges are clipped to the row so that no backend can be asked to read outside it.
     lo = lo.clamp(0, n)
     hi = hi.clamp(0, n)
-    # The Triton kernel (topk._triton) is not dispatched yet: it does not compile under
-    # Triton 3.6 on the H200 host (see benchmarks/NOTES.md), so every device runs the reference.
+    if flat.is_cuda:
+        from topk._triton import ranged_topk_triton
+
+        # The kernel needs unit column stride (any row stride): copy only when that is missing.
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        return ranged_topk_triton(flat, k, lo, hi).reshape(*lead, k)
     return ranged_topk_reference(flat, k, lo, hi).reshape(*lead, k)
 
 

@@ -187,96 +187,97 @@ def _retry_bound(row_ptr, lo, span, t_lo, n_cand, target, SAMPLE: tl.constexpr, 
 
 @triton.jit
 def _load_tile(row_ptr, cols, lo, hi):
-    """The ``[REPS, 4, WARPS, 32]`` tile of scores at ``cols`` (-inf outside [lo, hi))."""
+    """The ``[32, WARPS, REPS, 4]`` tile of scores at ``cols`` (-inf outside [lo, hi))."""
     return tl.load(row_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
 
 
 @triton.jit
-def _stream_tile(x, cols, v_lo, region, n_w, LIST: tl.constexpr):
-    """One step of :func:`_stream_body`: append the tile's elements >= v_lo to the lists."""
+def _stream_tile(x, cols, v_lo, region, n_w, LIST: tl.constexpr, REPS: tl.constexpr):
+    """One step of :func:`_stream_lists`: append the tile's elements >= v_lo to the lists;
+    returns the list sizes ``n_w`` (``[WARPS]``) updated.
+
+    A candidate's rank in its segment's list counts the candidates in earlier rows of the step,
+    in earlier lanes of its own row and in earlier vector slots of its own thread. The lane
+    prefix is one warp scan of each thread's counts with the rows packed in bytes (a row holds
+    at most 128 per warp; ``REPS <= 4`` rows fill an int32). The scan runs on the counts
+    transposed to ``[WARPS, 32]``: Triton 3.6 lowers scans only in a blocked layout (a scan of
+    a reduced 4-D tile trips an assertion), and that shape's default one places the counts
+    where their slice layout already holds them, so no data moves.
+    """
+    tl.static_assert(REPS <= 4, "row counts are packed in the 4 bytes of an int32")
+    rep = tl.arange(0, REPS)[None, None, :, None]
     x = x.to(tl.float32)
     cand = x >= v_lo
     c = cand.to(tl.int32)
-    per_lane = tl.sum(c, 1, keep_dims=True)
-    per_row = tl.sum(per_lane, 3, keep_dims=True)
-    before = n_w + tl.cumsum(per_row, 0) - per_row + tl.cumsum(per_lane, 3) - per_lane
-    pos = before + tl.cumsum(c, 1) - 1
+    packed = tl.sum(tl.sum(c << (8 * rep), 3), 2)  # [32, WARPS]
+    lanes = tl.trans(tl.cumsum(tl.trans(packed), 1))[:, :, None, None]
+    rows = tl.sum(packed, 0)  # [WARPS]: byte q counts the candidates of row q
+    before = tl.zeros_like(c) + n_w[None, :, None, None]
+    total = n_w
+    for q in tl.static_range(REPS):
+        in_row = (rows >> (8 * q)) & 0xFF
+        before += tl.where(rep > q, in_row[None, :, None, None], 0)
+        total += in_row
+    # The lane prefix is inclusive of this thread's row: take its row count back out.
+    mine = tl.sum(c, 3, keep_dims=True)
+    pos = before + ((lanes >> (8 * rep)) & 0xFF) - mine + tl.cumsum(c, 3) - 1
     entry = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cols.to(tl.uint32).to(tl.int64)
     tl.store(region + pos, entry, mask=cand & (pos < LIST))
-    return n_w + tl.sum(per_row, 0, keep_dims=True)
+    return total
 
 
 @triton.jit
-def _stream_body(
+def _stream_lists(
     row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
 ):
-    """Append every element >= ``v_lo`` of the row range to per-warp lists; return their sizes.
+    """Append every element >= ``v_lo`` of the row range to per-warp lists; return their
+    sizes (``[WARPS]``).
 
-    Each warp owns one contiguous segment of the range (a multiple of ``REPS * 128`` columns)
-    and its own ``LIST``-entry region of the scratch, so the pass needs no barrier: the rank of
-    a candidate inside its warp's list is an in-thread cumsum over each thread's 4 adjacent
-    columns, a warp cumsum over the 32 lanes and an in-thread cumsum over the ``REPS`` rows of
-    128 columns. Tiles are ``[REPS, 4, WARPS, 32]`` (row, vector, warp, lane), the shape for
-    which Triton's layouts give one warp per segment and 16-byte loads.
+    Segment w, a contiguous part of the range (a multiple of ``REPS * 128`` columns), fills
+    the w-th ``LIST``-entry region of the scratch in column order. Tiles are
+    ``[32, WARPS, REPS, 4]`` (lane, segment, row of 128 columns, vector): the order of dims for
+    which Triton gives the loads (16 bytes, 4 adjacent columns per thread) and the scattered
+    list stores the same layout, with one warp per segment, so that the ranks need only
+    in-thread and warp scans and the pass has no barrier or shared-memory shuffle.
 
-    Steps whose tile lies inside [lo, hi) for every warp load without a mask (vectorized) and
-    one step ahead; the few others (the first, the last) are separate loops so that the two
-    kinds of load do not share registers. Values are compared as fp32: ``v_lo`` is normal or
-    infinite, so this is the key order even under flush-to-zero compares; NaN and masked lanes
-    (loaded as -inf) compare false. An entry is the fp32 bit pattern (high word) and the
+    Steps whose tile lies inside [lo, hi) for every segment load without a mask (vectorized)
+    and one step ahead; the few others (the first, the last) are separate loops so that the
+    two kinds of load do not share registers. Values are compared as fp32: ``v_lo`` is normal
+    or infinite, so this is the key order even under flush-to-zero compares; NaN and masked
+    lanes (loaded as -inf) compare false. An entry is the fp32 bit pattern (high word) and the
     column (low word). Entries past ``LIST`` are dropped but still counted.
     """
-    rep = tl.arange(0, REPS)[:, None, None, None]
-    vec = tl.arange(0, 4)[None, :, None, None]
-    wid = tl.arange(0, WARPS)[None, None, :, None]
-    lane = tl.arange(0, 32)[None, None, None, :]
+    lane = tl.arange(0, 32)[:, None, None, None]
+    wid = tl.arange(0, WARPS)[None, :, None, None]
+    rep = tl.arange(0, REPS)[None, None, :, None]
+    vec = tl.arange(0, 4)[None, None, None, :]
     width = REPS * 128
     a0 = (lo // 128) * 128  # aligned start, so that interior tiles vectorize
     seg = tl.cdiv(tl.cdiv(hi - a0, WARPS), width) * width
     offs = a0 + wid * seg + rep * 128 + lane * 4 + vec
     region = list_ptr + wid * LIST
-    # Step `it` is interior iff a0 + it >= lo (warp 0) and it <= lim (the last warp).
+    # Step `it` is interior iff a0 + it >= lo (segment 0) and it <= lim (the last segment).
     lim = hi - (a0 + (WARPS - 1) * seg + width)
     first = tl.minimum(tl.where(a0 >= lo, 0, width), seg)
     stop = tl.where(lim >= 0, tl.minimum((lim // width + 1) * width, seg), 0)
     stop = tl.maximum(stop, first)
-    n_w = tl.zeros([1, 1, WARPS, 1], tl.int32)
+    n_w = tl.zeros([WARPS], tl.int32)
     for it in range(0, first, width):
-        n_w = _stream_tile(
-            _load_tile(row_ptr, offs + it, lo, hi), offs + it, v_lo, region, n_w, LIST
-        )
+        tile = _load_tile(row_ptr, offs + it, lo, hi)
+        n_w = _stream_tile(tile, offs + it, v_lo, region, n_w, LIST, REPS)
     if stop > first:
         # Interior steps, software-pipelined: the next tile's loads are in flight while this
         # one is ranked and stored.
         x = tl.load(row_ptr + offs + first)
         for it in range(first, stop - width, width):
             x_next = tl.load(row_ptr + offs + (it + width))
-            n_w = _stream_tile(x, offs + it, v_lo, region, n_w, LIST)
+            n_w = _stream_tile(x, offs + it, v_lo, region, n_w, LIST, REPS)
             x = x_next
-        n_w = _stream_tile(x, offs + (stop - width), v_lo, region, n_w, LIST)
+        n_w = _stream_tile(x, offs + (stop - width), v_lo, region, n_w, LIST, REPS)
     for it in range(stop, seg, width):
-        n_w = _stream_tile(
-            _load_tile(row_ptr, offs + it, lo, hi), offs + it, v_lo, region, n_w, LIST
-        )
+        tile = _load_tile(row_ptr, offs + it, lo, hi)
+        n_w = _stream_tile(tile, offs + it, v_lo, region, n_w, LIST, REPS)
     return n_w
-
-
-@triton.jit(noinline=True)
-def _warp_stream(
-    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
-):
-    """:func:`_stream_body` as a function of its own, so that its per-thread index patterns
-    are not hoisted into the caller, where they would pin registers."""
-    return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
-
-
-@triton.jit(noinline=True)
-def _warp_stream_again(
-    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
-):
-    """:func:`_warp_stream` for the retry: a second function rather than a second call site of
-    the first, which makes ptxas give the stream many more registers."""
-    return _stream_body(row_ptr, lo, hi, v_lo, list_ptr, LIST, REPS, WARPS)
 
 
 @triton.jit
@@ -284,16 +285,17 @@ def _compact_lists(list_ptr, n_w, LIST: tl.constexpr, WARPS: tl.constexpr):
     """Move the per-warp lists behind warp 0's, giving one list in column order at list_ptr.
 
     Warp w's entries go to offset ``sum(n_w[:w])`` of region 0; the regions of warps >= 1 are
-    only read, region 0 past its own entries only written, so nothing overlaps.
+    only read, region 0 past its own entries only written, so nothing overlaps. The offsets
+    are a masked sum rather than a cumsum over the ``WARPS`` counts (a scan of a tile smaller
+    than the program, which Triton 3.6 cannot lower).
     """
-    pair = tl.arange(0, 2)[None, :, None, None]
-    wid = tl.arange(0, WARPS)[None, None, :, None]
-    lane = tl.arange(0, 32)[None, None, None, :]
-    start = tl.cumsum(n_w, 2) - n_w
+    wid = tl.arange(0, WARPS)
+    earlier = wid[None, :] < wid[:, None]
+    start = tl.sum(tl.where(earlier, n_w[None, :], 0), 1)[:, None]
     for j0 in range(0, tl.max(n_w), 64):
-        j = j0 + lane * 2 + pair
-        move = (wid > 0) & (j < n_w)
-        entry = tl.load(list_ptr + wid * LIST + j, mask=move, other=0)
+        j = j0 + tl.arange(0, 64)[None, :]
+        move = (wid[:, None] > 0) & (j < n_w[:, None])
+        entry = tl.load(list_ptr + wid[:, None] * LIST + j, mask=move, other=0)
         tl.store(list_ptr + start + j, entry, mask=move)
 
 
@@ -315,7 +317,8 @@ def _emit(keys, cols, t, r, base_gt, base_eq, out_row):
     """Write the columns of keys > t and of the first r keys == t (in order) to their ranks.
 
     ``base_gt`` / ``base_eq`` count the elements > t / == t in earlier blocks of the same row;
-    returns them updated. Blocks are at most 32768 wide (16-bit halves of the packed cumsum).
+    returns them updated. One cumsum ranks both kinds: elements > t count in the low 16 bits,
+    == t in the high 16 bits, so blocks are at most 32768 wide.
     """
     gt = keys > t
     eq = keys == t
@@ -330,27 +333,25 @@ def _emit(keys, cols, t, r, base_gt, base_eq, out_row):
 
 
 @triton.jit
+def _list_keys(list_ptr, j, n_cand):
+    """Keys and columns of the list entries at ``j`` (``_NONE`` past the ``n_cand`` entries)."""
+    valid = j < n_cand
+    entry = tl.load(list_ptr + j, mask=valid, other=0)
+    return _keys((entry >> 32).to(tl.int32), valid), (entry & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _resolve_list(
-    list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST: tl.constexpr, WARPS: tl.constexpr
+    list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST: tl.constexpr, EMIT: tl.constexpr
 ):
     """Exact T and r from the list (every element >= t_lo, in column order); write the row.
 
     The list holds every element >= t_lo, so T is found from it alone whatever t_hi turns
-    out to be; t_hi only shortens the search. The list is held as a ``[REPS, 2, WARPS, 32]``
-    tile (rep, pair, warp, lane) in which each thread owns ``2 * REPS`` consecutive entries and
-    warp w the w-th contiguous part of the list: output ranks are in-thread cumsums, one warp
-    cumsum and a cross-warp prefix, and loads (16 bytes), compute and the scattered output
-    store share one layout (no shared-memory shuffles).
+    out to be; t_hi only shortens the search. The search holds the list's keys in registers
+    (one 1-D tile); the output is then written from the list again in blocks of ``EMIT``
+    (L1 / L2 hits), so that the ranks and the scattered store never need the whole list live.
     """
-    REPS: tl.constexpr = LIST // (64 * WARPS)
-    rep = tl.arange(0, REPS)[:, None, None, None]
-    pair = tl.arange(0, 2)[None, :, None, None]
-    wid = tl.arange(0, WARPS)[None, None, :, None]
-    lane = tl.arange(0, 32)[None, None, None, :]
-    idx = wid * (LIST // WARPS) + lane * (2 * REPS) + rep * 2 + pair
-    valid = idx < n_cand
-    entry = tl.load(list_ptr + idx, mask=valid, other=0)
-    keys = _keys((entry >> 32).to(tl.int32), valid)
+    keys, _cols = _list_keys(list_ptr, tl.arange(0, LIST), n_cand)
     above = tl.sum((keys > t_hi).to(tl.int32))
     hi_ok = above < k_eff  # else T > t_hi: search (t_hi, +inf] instead
     a = tl.where(hi_ok, t_lo, t_hi + 1)
@@ -383,21 +384,11 @@ def _resolve_list(
     if (ca != k_eff) & (k_eff - cb == 1):
         t_below = tl.max(tl.where(keys < b, keys, _NONE))
     t, r = _select_rule(a, ca, cb, k_eff, k, t_below)
-
-    # Inclusive ranks in list order of the elements > t (low 16 bits) and == t (high 16 bits).
-    gt = keys > t
-    eq = keys == t
-    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-    per_rep = tl.sum(packed, 1, keep_dims=True)
-    per_thread = tl.sum(per_rep, 0, keep_dims=True)
-    per_warp = tl.sum(per_thread, 3, keep_dims=True)
-    incl = tl.cumsum(per_warp, 2) - per_warp + tl.cumsum(per_thread, 3) - per_thread
-    incl += tl.cumsum(per_rep, 0) - per_rep + tl.cumsum(packed, 1)
-    n_eq = incl >> 16
-    take = gt | (eq & (n_eq <= r))
-    pos = (incl & 0xFFFF) + tl.minimum(n_eq, r) - 1
-    cols = (tl.load(list_ptr + idx, mask=take, other=0) & 0xFFFFFFFF).to(tl.int32)
-    tl.store(out_row + pos, cols, mask=take)
+    base_gt = tl.full([], 0, tl.int32)
+    base_eq = tl.full([], 0, tl.int32)
+    for j0 in range(0, n_cand, EMIT):
+        block, cols = _list_keys(list_ptr, j0 + tl.arange(0, EMIT), n_cand)
+        base_gt, base_eq = _emit(block, cols, t, r, base_gt, base_eq, out_row)
 
 
 @triton.jit
@@ -492,19 +483,19 @@ def _topk_row(
     # lower bound) or at least k of them, and did not overflow. An unlucky sample (about 1 row
     # in 500 at 3 standard deviations) is corrected by one more pass with a bound aimed at the
     # middle of [k, LIST] rather than by the slow path; heavy ties at the bound leave nothing
-    # to move and go to the slow path.
-    n_w = _warp_stream(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
-    n_cand = tl.sum(n_w)
+    # to move and go to the slow path. (Two call sites rather than a loop around one: LLVM
+    # hoists the stream's per-thread index patterns out of such a loop, where they pin
+    # registers through the whole row.)
+    n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
+    n_cand = tl.sum(n_w, 0)
     fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
     if (~fits) & (span > k) & (k < LIST):
         # (The CTA-wide reductions in _retry_bound order the first pass's list stores before
-        # the second's: an explicit barrier here costs ptxas ~100 registers.)
+        # the second's.)
         t_new = _retry_bound(row_ptr, lo, span, t_lo, n_cand, (k + LIST) // 2, SAMPLE, RUN)
         if t_new != t_lo:
-            n_w = _warp_stream_again(
-                row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS
-            )
-            n_cand = tl.sum(n_w)
+            n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS)
+            n_cand = tl.sum(n_w, 0)
             t_lo = t_new
             t_hi = tl.where(t_hi >= t_lo, t_hi, _KINF)
             fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
@@ -516,7 +507,7 @@ def _topk_row(
     if fits:
         _compact_lists(list_ptr, n_w, LIST, WARPS)
         tl.debug_barrier()
-        _resolve_list(list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST, WARPS)
+        _resolve_list(list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST, 256 * WARPS)
     else:
         k_eff = _resolve_stream(row_ptr, lo, hi, n_cand, t_lo, t_hi, k, out_row, CHUNK)
 
@@ -575,12 +566,14 @@ class TopkConfig:
     """Tiling of :func:`ranged_topk_triton` (all sizes powers of two).
 
     num_warps: warps per program; each streams its own segment of a row.
-    reps: rows of 128 columns per warp and step of the streaming pass (4 * reps per thread).
+    reps: rows of 128 columns per warp and step of the streaming pass (4 * reps per thread,
+        at most 4).
     sample: sampled columns per row; run: adjacent columns per sampled run.
     list_size: entries of each warp's candidate list (k plus the bracket, with margin); also
         the register tile of the resolve (``list_size / (32 * num_warps)`` keys per thread).
     chunk: columns per step of the slow exact path.
-    programs_per_sm: programs launched per SM (rows are shared out dynamically).
+    programs_per_sm: programs launched per SM (rows are shared out dynamically); the launch
+        caps registers so that they fit (65536 per SM).
     """
 
     num_warps: int
@@ -590,6 +583,12 @@ class TopkConfig:
     list_size: int
     chunk: int
     programs_per_sm: int
+
+
+def _max_registers(cfg: TopkConfig) -> int:
+    """Registers per thread that let ``programs_per_sm`` programs share an SM (65536 registers
+    per SM on sm_80 / sm_90), at most 255 (the hardware limit)."""
+    return min(255, 65536 // (32 * cfg.num_warps * cfg.programs_per_sm))
 
 
 def _next_pow2(n: int) -> int:
@@ -616,25 +615,29 @@ def _list_size(n: int, k: int, sample: int) -> int:
 def default_config(n: int, k: int) -> TopkConfig:
     """Heuristic tiling for rows of n columns and k selected (H200-oriented).
 
-    * Rows up to 16384 (the 16k causal case): 4 warps streaming 256 columns each per step, so
-      that segments of ragged rows round up by little; the sample is 1/32 of the row (at least
-      64), which keeps the list near k + k/2 whatever the length.
-    * Longer rows: 8 warps streaming 512 columns each per step (with the next step's loads in
-      flight, 2 KB per warp: enough to stream at full bandwidth from 16 warps per SM), a 1/32
-      sample of at most 4096 in runs of 8 adjacent columns (whole 32-byte sectors: the
-      sample then adds ~1/32 of the row's traffic, not a sector per sampled element).
-    * A list of 8192 needs 8 warps so that the search holds 32 keys per thread.
-    * 16 warps per SM (4 or 2 programs): what the ~128 registers per thread allow.
+    * 4 warps streaming 256 columns each per step, 4 programs per SM. On the H200 this beat 8
+      warps x 2 programs on the 4096-row long cases at k = 2048 (0.69 vs 0.85 ms at 65536
+      columns, 1.12 vs 1.24 ms at 131072; results/tuning_topk_and_attn64.log): more rows are
+      in flight at once, and the per-row resolve, which does not scale with the row length,
+      overlaps other programs' streams.
+    * Rows up to 16384: the sample is 1/32 of the row (at least 64), which keeps the list near
+      k + k/2 whatever the length. Longer rows: a 1/32 sample of at most 4096 in runs of 8
+      adjacent columns (whole 32-byte sectors: the sample then adds ~1/32 of the row's
+      traffic, not a sector per sampled element).
+    * A list of 8192 (k = 4096) needs 8 warps so that the search holds 32 keys per thread.
+    * 16 warps per SM, so 128 registers per thread (the launch caps them there). Under
+      Triton 3.6 every default tiling compiles within that for sm_90 without spills; 512
+      columns per warp and step (``reps=4``) would not.
     """
     n_pow2 = _next_pow2(max(n, 1))
     sample = min(max(n_pow2 // 32, 64), 4096)
     long_rows = n_pow2 > 16384
     list_size = _list_size(max(n, 1), k, sample)
-    num_warps = 8 if long_rows or list_size > 4096 else 4
+    num_warps = 8 if list_size > 4096 else 4
     list_size = max(list_size, 128 * num_warps)
     return TopkConfig(
         num_warps=num_warps,
-        reps=4 if long_rows else 2,
+        reps=2,
         sample=sample,
         run=8 if long_rows else 1,
         list_size=list_size,
@@ -710,5 +713,6 @@ def ranged_topk_triton(
         TAIL=min(_next_pow2(k), 1024),
         WARPS=cfg.num_warps,
         num_warps=cfg.num_warps,
+        maxnreg=_max_registers(cfg),
     )
     return out
