@@ -6,7 +6,9 @@ Cases (issue 3): 16k x 16k causal rows (row i ranges over [0, i + 1)), and 4096 
 (legal input for the kernel, which never reads there).
 
 Columns:
-* ours: ``ranged_topk_triton`` (checked equal to the torch reference first);
+* exact: whether ``ranged_topk_triton`` equals the torch reference (``topk.reference``) on the
+  whole output, -1 tail included (and how many rows differ if not);
+* ours: ``ranged_topk_triton``;
 * torch: ``torch.topk(sorted=False)`` on the scores with -inf outside the ranges, plus the sort
   of the indices that gives our ascending column order (no tie or -1 handling: a lower bound
   on what torch needs for the same output);
@@ -14,17 +16,18 @@ Columns:
   this run (bytes read + written per second of a 1 GiB copy).
 
 Bars: 16k causal at k 2048 <= 0.8 ms; the 4096-row cases at k 2048 within 2x of read; every
-case faster than torch. Writes ``topk.csv`` and ``topk.png`` to ``--out`` (default
-``benchmarks/results``) and prints the table last.
+case exact and faster than torch. Writes ``topk.csv`` and ``topk.png`` to ``--out`` (default
+``benchmarks/results``) and prints the table last; exits non-zero if any case is not exact.
 
-Run: ``python benchmarks/bench_topk.py`` on a CUDA machine.
+Run: ``python benchmarks/bench_topk.py [--out DIR]`` on a CUDA machine;
+``python benchmarks/bench_topk.py --plot topk.csv`` redraws the PNG anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -49,6 +52,8 @@ class Row:
     rows: int
     n: int
     k: int
+    exact: bool
+    rows_differing: int
     ours_ms: float
     torch_ms: float
     read_ms: float
@@ -85,8 +90,8 @@ def torch_baseline(masked: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(idx, dim=1).values
 
 
-def bar_for(case: str, k: int, ours: float, torch_ms: float, read: float) -> str:
-    ok = ours < torch_ms
+def bar_for(case: str, k: int, exact: bool, ours: float, torch_ms: float, read: float) -> str:
+    ok = exact and ours < torch_ms
     if k == 2048 and case.startswith("causal"):
         ok &= ours <= BAR_16K_MS
     elif k == 2048:
@@ -96,11 +101,15 @@ def bar_for(case: str, k: int, ours: float, torch_ms: float, read: float) -> str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--plot", type=Path, metavar="CSV", help="only redraw topk.png from a CSV")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_topk needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        plot(read_csv(args.plot), args.out / "topk.png")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_topk needs a CUDA GPU (or --plot CSV)")
 
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -110,45 +119,70 @@ def main() -> None:
         scores, masked, lo, hi = causal_block(rows, n, gen)
         read_ms = float((hi - lo).sum()) * scores.element_size() / bandwidth * 1e3
         for k in K_VALUES:
-            got = ranged_topk_triton(scores, k, lo, hi)
-            if not torch.equal(got, ranged_topk_reference(scores, k, lo, hi)):
-                raise SystemExit(f"{case}, k={k}: the kernel differs from the reference")
+            got = ranged_topk_triton(scores, k, lo, hi)  # compiles outside the timing
+            differing = int((got != ranged_topk_reference(scores, k, lo, hi)).any(dim=1).sum())
             ours = cuda_time_ms(partial(ranged_topk_triton, scores, k, lo, hi), warmup=5, rep=30)
             base = cuda_time_ms(partial(torch_baseline, masked, k), warmup=3, rep=10)
+            exact = differing == 0
             row = Row(
                 case=case,
                 rows=rows,
                 n=n,
                 k=k,
+                exact=exact,
+                rows_differing=differing,
                 ours_ms=ours,
                 torch_ms=base,
                 read_ms=read_ms,
                 speedup_vs_torch=base / ours,
                 ours_over_read=ours / read_ms,
-                bar=bar_for(case, k, ours, base, read_ms),
+                bar=bar_for(case, k, exact, ours, base, read_ms),
                 config=str(default_config(n, k)),
             )
             results.append(row)
-            print(f"{case:20s} k={k:5d}: {ours:.3f} ms (torch {base:.3f}, read {read_ms:.3f})")
+            print(
+                f"{case:20s} k={k:5d}: {ours:.3f} ms (torch {base:.3f}, read {read_ms:.3f})"
+                f"{'' if exact else f', {differing} rows differ from the reference'}",
+                flush=True,
+            )
         del scores, masked
+        torch.cuda.empty_cache()
 
     with open(args.out / "topk.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
+        writer = csv.DictWriter(f, fieldnames=[field.name for field in fields(Row)])
         writer.writeheader()
         for row in results:
             writer.writerow(asdict(row))
-    plot(results, args.out / "topk.png", bandwidth)
+    print(f"\nwrote {args.out / 'topk.csv'}")
+    try:
+        plot(results, args.out / "topk.png")
+        print(f"wrote {args.out / 'topk.png'}")
+    except ImportError:  # a GPU host without matplotlib: draw it later with --plot
+        print("matplotlib missing: redraw the PNG elsewhere with --plot topk.csv")
 
-    head = f"{'case':20s} {'k':>5s} {'ours ms':>8s} {'torch ms':>9s} {'read ms':>8s}"
+    head = f"{'case':20s} {'k':>5s} {'exact':>5s} {'ours ms':>8s} {'torch ms':>9s} {'read ms':>8s}"
     print("\n" + head + f" {'torch/ours':>10s} {'ours/read':>9s}  bar")
     for r in results:
         print(
-            f"{r.case:20s} {r.k:5d} {r.ours_ms:8.3f} {r.torch_ms:9.3f} {r.read_ms:8.3f} "
-            f"{r.speedup_vs_torch:10.2f} {r.ours_over_read:9.2f}  {r.bar}"
+            f"{r.case:20s} {r.k:5d} {'yes' if r.exact else 'NO':>5s} {r.ours_ms:8.3f} "
+            f"{r.torch_ms:9.3f} {r.read_ms:8.3f} {r.speedup_vs_torch:10.2f} "
+            f"{r.ours_over_read:9.2f}  {r.bar}"
         )
+    if not all(r.exact for r in results):
+        raise SystemExit("some cases differ from the reference")
 
 
-def plot(results: list[Row], path: Path, bandwidth: float) -> None:
+def read_csv(path: Path) -> list[Row]:
+    """Rows of a ``topk.csv`` written by :func:`main`."""
+    kinds = {field.name: field.type for field in fields(Row)}
+    parse = {"int": int, "float": float, "bool": lambda v: v == "True", "str": str}
+    with open(path, newline="") as f:
+        return [
+            Row(**{k: parse[kinds[k]](v) for k, v in line.items()}) for line in csv.DictReader(f)
+        ]
+
+
+def plot(results: list[Row], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,8 +202,7 @@ def plot(results: list[Row], path: Path, bandwidth: float) -> None:
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("ms (median of CUDA events)")
     ax.set_yscale("log")
-    device = torch.cuda.get_device_name()
-    ax.set_title(f"ranged top-k, fp32 scores ({device}, copy {bandwidth / 1e12:.2f} TB/s)")
+    ax.set_title("ranged top-k, fp32 scores (read: in-range bytes at the measured copy rate)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
