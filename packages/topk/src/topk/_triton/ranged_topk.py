@@ -626,8 +626,9 @@ def default_config(n: int, k: int) -> TopkConfig:
       traffic, not a sector per sampled element).
     * A list of 8192 (k = 4096) needs 8 warps so that the search holds 32 keys per thread.
     * 16 warps per SM, so 128 registers per thread (the launch caps them there). Under
-      Triton 3.6 every default tiling compiles within that for sm_90 without spills; 512
-      columns per warp and step (``reps=4``) would not.
+      Triton 3.6 the default tilings compile within that for sm_90 without spills, except
+      rows over 65536 columns (24-32 bytes, timed faster than 8 warps all the same); 512
+      columns per warp and step (``reps=4``) spill much more.
     """
     n_pow2 = _next_pow2(max(n, 1))
     sample = min(max(n_pow2 // 32, 64), 4096)
