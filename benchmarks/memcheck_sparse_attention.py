@@ -13,7 +13,10 @@ from dsa_sparse_attention import sparse_attention
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for heads, dim, topk, sink in ((16, 576, 100, False), (64, 512, 130, True)):
+    # The table's tilings: 16 heads bulk reduce-adds; 64 heads atomics with 32-key blocks (D 512)
+    # and 64-key blocks (D 576).
+    cases = ((16, 576, 100, False), (64, 512, 130, True), (64, 576, 150, True))
+    for heads, dim, topk, sink in cases:
         b, s, s_kv = 2, 33, 70
         q = torch.randn(b, s, heads, dim, device="cuda", generator=gen).bfloat16()
         kv = torch.randn(b, s_kv, 1, dim, device="cuda", generator=gen).bfloat16()
