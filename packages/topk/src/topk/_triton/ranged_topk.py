@@ -481,9 +481,11 @@ def _topk_row(
         t_lo, t_hi = _sample_bracket(row_ptr, lo, span, k, SAMPLE, RUN)
     # Stream the row into the lists. They are usable if they hold every selectable element (no
     # lower bound) or at least k of them, and did not overflow. An unlucky sample (about 1 row
-    # in 500 at 3 standard deviations) is corrected by one more pass with a bound aimed at the
-    # middle of [k, LIST] rather than by the slow path; heavy ties at the bound leave nothing
-    # to move and go to the slow path. (Two call sites rather than a loop around one: LLVM
+    # in 500 at 3 standard deviations) is corrected by one more pass with a bound aimed a
+    # quarter of the way from k to LIST rather than by the slow path (aimed at the middle, the
+    # rank estimate from a short list overshot the list at k = 640: one such row in 4096 sent
+    # to the slow path doubled the kernel's time); heavy ties at the bound leave nothing to
+    # move and go to the slow path. (Two call sites rather than a loop around one: LLVM
     # hoists the stream's per-thread index patterns out of such a loop, where they pin
     # registers through the whole row.)
     n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
@@ -492,7 +494,7 @@ def _topk_row(
     if (~fits) & (span > k) & (k < LIST):
         # (The CTA-wide reductions in _retry_bound order the first pass's list stores before
         # the second's.)
-        t_new = _retry_bound(row_ptr, lo, span, t_lo, n_cand, (k + LIST) // 2, SAMPLE, RUN)
+        t_new = _retry_bound(row_ptr, lo, span, t_lo, n_cand, (3 * k + LIST) // 4, SAMPLE, RUN)
         if t_new != t_lo:
             n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS)
             n_cand = tl.sum(n_w, 0)
