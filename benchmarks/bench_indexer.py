@@ -1,6 +1,6 @@
 """Benchmark of the Triton indexer kernels on one GPU (H200 figures in DESIGN.md).
 
-    python benchmarks/bench_indexer.py [--out DIR] [--sweep | --backward-sweep]
+    python benchmarks/bench_indexer.py [--out DIR] [--sweep | --backward-sweep | --window-sweep]
 
 Cases: T in {4k, 16k, 64k, 128k} tokens, H = 32, D = 128; one causal sequence, and 8 packed
 causal sequences of equal length. For each case:
@@ -20,7 +20,8 @@ Writes ``indexer.csv`` and ``indexer.png`` under ``--out`` (default ``benchmarks
 ``--sweep`` instead times candidate tilings per head count at 16k tokens and prints the best,
 as rows for ``dsa_indexer.config.INDEXER_CONFIGS``. ``--backward-sweep`` times the backward's
 variants (pipeline stages, ``backward_rotate``, ``backward_dk_split``) per head count on 16k
-causal, 16k packed8 and 4k causal, and prints the best per head count.
+causal, 16k packed8 and 4k causal, and prints the best per head count. ``--window-sweep`` times
+the backward in one pass and in passes of ``backward_key_window`` keys on long inputs.
 """
 
 from __future__ import annotations
@@ -383,6 +384,42 @@ def backward_sweep():
     print(f"\nbackward sweep took {time.time() - start:.0f} s")
 
 
+# --window-sweep: (heads, layout, T) cases and the backward_key_window values timed on each.
+WINDOW_SWEEP_CASES = (
+    (32, "causal", 131072),
+    (32, "packed8", 131072),
+    (32, "causal", 65536),
+    (8, "causal", 131072),
+    (64, "causal", 131072),
+)
+WINDOW_SWEEP_VALUES = (0, 65536, 32768)
+
+
+def window_sweep():
+    """Time the backward (whole wrapper, the table row otherwise) with each window of
+    ``WINDOW_SWEEP_VALUES`` (0: one pass) shorter than T, on each case of
+    ``WINDOW_SWEEP_CASES``, and check the passes' gradients against the one-pass ones."""
+    for heads, layout, t in WINDOW_SWEEP_CASES:
+        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        fn, floor = _backward_case(layout, t, heads)
+        one_pass = None
+        for window in (w for w in WINDOW_SWEEP_VALUES if w < t):
+            cfg = dataclasses.replace(base, backward_key_window=window)
+            grads = fn(config=cfg)
+            one_pass = one_pass or grads
+            rd = max(rel_diff(a.double(), b.double()) for a, b in zip(grads, one_pass, strict=True))
+            ms = cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5)
+            print(
+                f"heads={heads:2d} {layout:7s} T={t:6d} stages={cfg.backward_num_stages}"
+                f" window={window:6d}: {ms:7.2f} ms ({ms / floor:.2f}x floor),"
+                f" rel_diff vs one pass {rd:.1e}",
+                flush=True,
+            )
+        del fn, one_pass
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -391,6 +428,11 @@ def main():
         "--backward-sweep",
         action="store_true",
         help="time the backward's knob values per head count instead",
+    )
+    parser.add_argument(
+        "--window-sweep",
+        action="store_true",
+        help="time the backward in one pass and in key windows on long inputs instead",
     )
     parser.add_argument(
         "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
@@ -407,6 +449,9 @@ def main():
         return
     if args.backward_sweep:
         backward_sweep()
+        return
+    if args.window_sweep:
+        window_sweep()
         return
     lookup = resolve_indexer_config(torch.device("cuda"), HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")

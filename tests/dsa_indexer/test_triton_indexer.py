@@ -235,6 +235,10 @@ def test_config_validation():
         IndexerConfig(backward_dk_split=4)
     with pytest.raises(ValueError, match="backward_dk_split"):
         IndexerConfig(backward_dk_split=True)
+    with pytest.raises(ValueError, match="backward_key_window"):
+        IndexerConfig(backward_key_window=-1)
+    with pytest.raises(ValueError, match="backward_key_window"):
+        IndexerConfig(backward_key_window=True)
     cfg = IndexerConfig(
         logits_block_rows=64, backward_num_stages=3, backward_rotate=True, backward_dk_split=2
     )
@@ -354,6 +358,21 @@ def test_cpu_interp_backward_variants(rotate, split, heads, d):
     _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-10)
 
 
+@interp_only
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("pattern", ["ranged", "messy"])
+def test_cpu_interp_backward_key_windows(pattern, rotate):
+    """One pass per window of 16 keys (87 keys: 6 passes, the last partial); ascending rows
+    walk only their window's blocks, messy ones (shuffled, duplicates, strays) walk more."""
+    gen = _gen("windows", pattern, rotate)
+    t_q = 29
+    starts, ends, t_kv = _layout("cp_offset", t_q, "cpu", gen)
+    q, k, w = _qkw(t_q, t_kv, 8, 16, "cpu", gen)
+    indices = _indices(starts, ends, t_kv, 37, pattern, gen)
+    config = dataclasses.replace(INTERP_CONFIG, backward_rotate=rotate, backward_key_window=16)
+    _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-10)
+
+
 # --------------------------------------------------------------------------- GPU
 
 LAYOUTS = ["causal", "packed_1tok", "ratio4", "cp_offset", "random"]
@@ -430,6 +449,25 @@ def test_gpu_backward_variants(heads, d, pattern, topk, rotate, split):
     indices = _indices(starts, ends, t_kv, topk, pattern, gen)
     config = dataclasses.replace(
         _device_config(heads), backward_rotate=rotate, backward_dk_split=split
+    )
+    _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("pattern,topk", [("ranged", 2048), ("messy", 100)])
+@pytest.mark.parametrize("heads", [8, 32, 64])
+def test_gpu_backward_key_windows(heads, pattern, topk, rotate):
+    """The windowed backward (4 passes of 1024 keys at T = 4096, as 65536-key windows run at
+    128k) on the table's tiling: bf16 dq is rounded once per pass and still within the bar."""
+    gen = _gen("bwd-windows", heads, pattern, topk, rotate)
+    starts, ends, t_kv = _layout(
+        "causal" if pattern == "ranged" else "cp_offset", GPU_T, "cuda", gen
+    )
+    q, k, w = _qkw(GPU_T, t_kv, heads, 128, "cuda", gen)
+    indices = _indices(starts, ends, t_kv, topk, pattern, gen)
+    config = dataclasses.replace(
+        _device_config(heads), backward_rotate=rotate, backward_key_window=1024
     )
     _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-5)
 

@@ -41,3 +41,30 @@ def test_poison():
     assert torch.isnan(poisoned((3,), torch.float32, "cpu")).all()
     t = poison_(torch.zeros(2, dtype=torch.int32))
     assert (t == torch.iinfo(torch.int32).min).all()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_time_ms_replays_the_captured_work():
+    from kernel_common.timing import cuda_graph_time_ms, cuda_time_ms
+
+    counter = torch.zeros(1, device="cuda")
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def step():
+        counter.add_(1)
+        torch.mm(x, x)
+
+    ms = cuda_graph_time_ms(step, warmup=2, rep=5)
+    # Two eager warm-up calls, then 2 + 5 replays; the capture itself runs nothing.
+    assert counter.item() == 2 + 2 + 5
+    # A 4096^3 fp32 product is well above launch overhead: replays take about the eager time.
+    eager = cuda_time_ms(step, warmup=1, rep=5)
+    assert 0.5 * eager < ms < 1.5 * eager
+
+
+def test_cuda_graph_time_ms_needs_cuda(monkeypatch):
+    from kernel_common.timing import cuda_graph_time_ms
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cuda_graph_time_ms(lambda: None)

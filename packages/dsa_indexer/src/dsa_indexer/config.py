@@ -43,6 +43,9 @@ class IndexerConfig:
         backward_dk_split: the backward computes the dk product ``ds @ q`` and its atomic adds
             in this many column blocks of ``D / split`` (1 or 2; no split where a block would
             be narrower than 16), which lowers its peak register count.
+        backward_key_window: 0, or the keys per pass of the backward: with more keys than
+            this, it runs one pass per window of keys, so that each pass's fp32 dk scratch
+            and key rows stay in L2 (see ``topk_scores_backward_into``).
     """
 
     backend: str = "triton"
@@ -58,6 +61,7 @@ class IndexerConfig:
     backward_num_stages: int = 2
     backward_rotate: bool = False
     backward_dk_split: int = 1
+    backward_key_window: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -92,6 +96,11 @@ class IndexerConfig:
                 f"IndexerConfig.backward_dk_split must be one of {_DK_SPLITS},"
                 f" got {self.backward_dk_split!r}"
             )
+        window = self.backward_key_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(
+                f"IndexerConfig.backward_key_window must be an int >= 0, got {window!r}"
+            )
 
     def to_json(self) -> str:
         """Stable text form (a custom op's string argument)."""
@@ -119,13 +128,20 @@ _MEASURED = (
 # and at 64 heads with a third stage. The backward is register-bound: splitting its dk product
 # in two column halves takes 32 heads from 220 registers (two CTAs per SM) to 164 (three), 7.4
 # -> 6.0 ms at 16k causal; rotating the key walk spreads the dk atomics of neighbouring queries
-# (which pick nearly the same keys) and wins a little at 8, 16 and 64 heads.
+# (which pick nearly the same keys) and wins a little at 8, 16 and 64 heads. At 32 heads a third
+# stage won on the re-measure at every length (16k causal 6.12 -> 5.82 ms, 128k 56.6 -> 51.7).
 _SWEEP = {
     8: ((256, 64, 4, 2), (64, 4, 3, True, 2)),
     16: ((128, 64, 4, 2), (64, 4, 2, True, 1)),
-    32: ((128, 64, 4, 2), (64, 4, 2, False, 2)),
+    32: ((128, 64, 4, 2), (64, 4, 3, False, 2)),
     64: ((256, 64, 4, 3), (64, 4, 2, True, 2)),
 }
+
+
+# Keys per backward pass on Hopper: the pass's fp32 dk scratch (512 B a key at D = 128) and bf16
+# key rows (256 B) take 48 MB of the 60 MB L2; 64k-key causal inputs, whose whole scratch is that
+# size, ran at 2.7-2.9x the backward floor, 128k keys in one pass at 3.0-3.4x.
+_HOPPER_KEY_WINDOW = 65536
 
 
 def _hopper(heads: int) -> IndexerConfig:
@@ -144,6 +160,7 @@ def _hopper(heads: int) -> IndexerConfig:
         backward_num_stages=bstages,
         backward_rotate=rotate,
         backward_dk_split=split,
+        backward_key_window=_HOPPER_KEY_WINDOW,
     )
 
 

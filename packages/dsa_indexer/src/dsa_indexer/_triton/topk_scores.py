@@ -23,7 +23,8 @@ measured (``bench_indexer.py --backward-sweep``): ``backward_rotate`` starts eac
 at its own step, so that programs running together do not add into the same dk rows at the same
 time; ``backward_dk_split = 2`` computes the dk product and its atomics in two column halves,
 for fewer live registers (Triton 3.6, sm_90, 32 heads x 128: 220 -> 164 per thread, three CTAs
-per SM instead of two; at 64 heads it removes a small spill).
+per SM instead of two; at 64 heads it removes a small spill). ``backward_key_window`` runs long
+key ranges as one pass per window of keys, so that each pass's dk scratch stays in L2.
 
 ``ds`` enters the two gradient products as bf16 (fp32 accumulation), as FlashAttention does
 for its dS; the relative error this adds is ~2^-9 per term, a rel_diff of ~1e-6.
@@ -82,7 +83,8 @@ def _gather_keys(
     k_ptr,
     row_idx,
     offs_j,
-    T_kv,
+    key_lo,
+    key_hi,
     TOPK,
     stride_k,
     D: tl.constexpr,
@@ -91,14 +93,14 @@ def _gather_keys(
     """Gather the key rows of one query's slots ``offs_j`` (``[BLOCK_K]``).
 
     Returns ``(j_ok, valid, key_rows, kb)``: the slots inside ``[0, TOPK)``; those holding a
-    key in ``[0, T_kv)`` (the rest are padding, never read); their key rows (int64, meaningless
-    where not valid); and the keys ``[BLOCK_K, D]``, zero at padding, bf16 (fp32 under the
-    interpreter).
+    key in ``[key_lo, key_hi)`` (a sub-range of ``[0, T_kv)``; the rest are padding here, never
+    read); their key rows (int64, meaningless where not valid); and the keys ``[BLOCK_K, D]``,
+    zero at padding, bf16 (fp32 under the interpreter).
     """
     offs_d = tl.arange(0, D)
     j_ok = offs_j < TOPK
     idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
-    valid = (idx >= 0) & (idx < T_kv)
+    valid = (idx >= key_lo) & (idx < key_hi)
     key_rows = idx.to(tl.int64)
     kb = tl.load(
         k_ptr + key_rows[:, None] * stride_k + offs_d[None, :], mask=valid[:, None], other=0.0
@@ -132,7 +134,9 @@ def _topk_scores_fwd_kernel(
 
     for j0 in range(0, TOPK, BLOCK_K):
         offs_j = j0 + tl.arange(0, BLOCK_K)
-        j_ok, valid, _, kb = _gather_keys(k_ptr, row_idx, offs_j, T_kv, TOPK, stride_k, D, DOT_FP32)
+        j_ok, valid, _, kb = _gather_keys(
+            k_ptr, row_idx, offs_j, 0, T_kv, TOPK, stride_k, D, DOT_FP32
+        )
         s = tl.dot(kb, qt)  # [BLOCK_K, HP]
         score = tl.sum(tl.maximum(s, 0.0) * wb[None, :], axis=1)
         tl.store(row_out + offs_j, tl.where(valid, score, float("-inf")), mask=j_ok)
@@ -154,6 +158,28 @@ def _add_dk(dk_acc_ptr, key_rows, valid, ds, q_cols, col0, D: tl.constexpr, COLS
 
 
 @triton.jit
+def _window_blocks(row_idx, key_lo, key_hi, TOPK, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
+    """``(j_begin, blocks)``: the ``BLOCK_K``-slot blocks from the one holding the row's first
+    slot with a key in ``[key_lo, key_hi)`` to the one holding its last (none: 0 blocks)."""
+    first = TOPK
+    last = -1
+    for c0 in range(0, TOPK, SCAN):
+        offs_c = c0 + tl.arange(0, SCAN)
+        idx = tl.load(row_idx + offs_c, mask=offs_c < TOPK, other=-1)
+        inside = (idx >= key_lo) & (idx < key_hi)
+        first = tl.minimum(first, tl.min(tl.where(inside, offs_c, TOPK)))
+        last = tl.maximum(last, tl.max(tl.where(inside, offs_c, -1)))
+    j_begin = (first // BLOCK_K) * BLOCK_K
+    return j_begin, tl.cdiv(tl.maximum(last + 1 - j_begin, 0), BLOCK_K)
+
+
+@triton.jit
+def _store_dq_dw(dq_ptrs, dw_ptrs, dq_t, dw, h_ok):
+    tl.store(dq_ptrs, dq_t.to(dq_ptrs.dtype.element_ty), mask=h_ok[None, :])
+    tl.store(dw_ptrs, dw, mask=h_ok)
+
+
+@triton.jit
 def _topk_scores_bwd_kernel(
     grad_ptr,
     q_ptr,
@@ -163,7 +189,8 @@ def _topk_scores_bwd_kernel(
     dq_ptr,
     dk_acc_ptr,
     dw_ptr,
-    T_kv,
+    key_lo,
+    key_hi,
     TOPK,
     stride_k,
     H: tl.constexpr,
@@ -172,8 +199,20 @@ def _topk_scores_bwd_kernel(
     BLOCK_K: tl.constexpr,
     ROTATE: tl.constexpr,
     DK_SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SCAN: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
+    """One query's gradients from its slots holding keys in ``[key_lo, key_hi)``.
+
+    Not ``WINDOWED``: one pass over all keys (``[0, T_kv)``); the program walks every slot and
+    stores dq and dweights. ``WINDOWED``: one of several passes over key windows (see
+    :func:`topk_scores_backward_into`). The program first finds the first and last slot of its
+    row in the window and walks only the blocks between them (for ascending rows, as the ranged
+    top-k delivers them, those are the window's slots; any other row is still right, just not
+    shorter); the pass of the window at key 0 stores dq and dweights, later passes add to them
+    where the row has a slot in their window.
+    """
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, D)
@@ -189,26 +228,37 @@ def _topk_scores_bwd_kernel(
         q_hi = _load_query_cols(q_ptr, t, DC, H, D, HP, DC, DOT_FP32)
     row_idx = idx_ptr + t * TOPK
     row_grad = grad_ptr + t * TOPK
+    if WINDOWED:
+        j_begin, blocks = _window_blocks(row_idx, key_lo, key_hi, TOPK, BLOCK_K, SCAN)
+        steps_end = blocks * BLOCK_K
+    else:
+        # Constants rather than the arguments: the one-pass kernel then compiles to fewer
+        # registers (Triton 3.6, sm_90: 166 instead of 177 at 32 heads, three CTAs per SM).
+        key_lo = 0
+        j_begin = 0
+        blocks = tl.cdiv(TOPK, BLOCK_K)
+        steps_end = TOPK
+    wrap = blocks * BLOCK_K
+    start = 0
     if ROTATE:
         # Programs that run together are adjacent queries, which select nearly the same keys
         # in the same order: starting each walk at its own step spreads their atomic adds
         # over the key rows instead of piling them onto the same rows at the same time.
-        span = tl.cdiv(TOPK, BLOCK_K) * BLOCK_K
-        start = (tl.program_id(0) % tl.cdiv(TOPK, BLOCK_K)) * BLOCK_K
+        start = (tl.program_id(0) % tl.maximum(blocks, 1)) * BLOCK_K
 
     dq_t = tl.zeros((D, HP), dtype=tl.float32)
     # Reduced over the keys every step rather than kept as a [BLOCK_K, HP] accumulator summed
     # at the end: that costs ~40 more registers per thread in sm_90 codegen, one CTA less per SM
     # at 8-16 heads.
     dw = tl.zeros((HP,), dtype=tl.float32)
-    for j0 in range(0, TOPK, BLOCK_K):
+    for j0 in range(0, steps_end, BLOCK_K):
         jb = j0
         if ROTATE:
             jb = j0 + start
-            jb = tl.where(jb < span, jb, jb - span)
-        offs_j = jb + tl.arange(0, BLOCK_K)
+            jb = tl.where(jb < wrap, jb, jb - wrap)
+        offs_j = j_begin + jb + tl.arange(0, BLOCK_K)
         _, valid, key_rows, kb = _gather_keys(
-            k_ptr, row_idx, offs_j, T_kv, TOPK, stride_k, D, DOT_FP32
+            k_ptr, row_idx, offs_j, key_lo, key_hi, TOPK, stride_k, D, DOT_FP32
         )
         # Padding slots may carry any gradient (even NaN at a -inf score): never read it.
         g = tl.load(row_grad + offs_j, mask=valid, other=0.0)
@@ -225,8 +275,20 @@ def _topk_scores_bwd_kernel(
             _add_dk(dk_acc_ptr, key_rows, valid, ds, qb, 0, D, D)
 
     dq_off_t = (t * H + offs_h)[None, :] * D + offs_d[:, None]  # [D, HP], matches dq_t
-    tl.store(dq_ptr + dq_off_t, dq_t.to(dq_ptr.dtype.element_ty), mask=h_ok[None, :])
-    tl.store(dw_ptr + t * H + offs_h, dw, mask=h_ok)
+    dq_ptrs = dq_ptr + dq_off_t
+    dw_ptrs = dw_ptr + t * H + offs_h
+    if WINDOWED:
+        if key_lo > 0:
+            if blocks > 0:
+                # A later window adds to what the earlier passes stored (the stream orders
+                # them); a bf16 dq is rounded once per pass that touches the row.
+                dq_t += tl.load(dq_ptrs, mask=h_ok[None, :], other=0.0).to(tl.float32)
+                dw += tl.load(dw_ptrs, mask=h_ok, other=0.0)
+                _store_dq_dw(dq_ptrs, dw_ptrs, dq_t, dw, h_ok)
+        else:
+            _store_dq_dw(dq_ptrs, dw_ptrs, dq_t, dw, h_ok)
+    else:
+        _store_dq_dw(dq_ptrs, dw_ptrs, dq_t, dw, h_ok)
 
 
 def _prepare(op, q, k, weights, indices):
@@ -351,7 +413,15 @@ def topk_scores_backward_into(
 ) -> None:
     """The backward into caller buffers: every entry of ``dq`` (bf16 or float32 ``[T, H, D]``)
     and ``dw`` (float32 ``[T, H]``) is written; ``dk_acc`` (float32 ``[T_kv, D]``, zeroed by the
-    caller) receives the atomic adds. Tests pass float32 ``dq`` to check the accumulations."""
+    caller) receives the atomic adds. Tests pass float32 ``dq`` to check the accumulations.
+
+    With ``config.backward_key_window = W`` and ``T_kv > W`` the work runs as one launch per
+    window of W keys, in key order: the dk scratch rows and key rows that a launch touches then
+    fit in L2 together, where one launch over all keys would spread its reduce-adds over the
+    whole scratch (64 MB of fp32 at 128k keys x 128, more than the H200's 60 MB L2). The
+    gathered bytes stay the same; each pass re-reads q and the index rows, and a bf16 dq is
+    rounded once per pass that touches the query (rel_diff ~1e-6 each).
+    """
     op = "indexer_topk_scores_backward_triton"
     cfg = config if config is not None else table_config(q.device, q.shape[1])
     q, k, weights, indices = _prepare(op, q, k, weights, indices)
@@ -363,26 +433,33 @@ def topk_scores_backward_into(
     _check_out(op, "dw", dw, weights.shape, (torch.float32,))
     if t_q == 0:
         return
-    _topk_scores_bwd_kernel[(t_q,)](
-        grad,
-        q,
-        k,
-        weights,
-        indices,
-        dq,
-        dk_acc,
-        dw,
-        k.shape[0],
-        topk,
-        k.stride(0),
-        H=heads,
-        D=d,
-        HP=max(16, triton.next_power_of_2(heads)),
-        BLOCK_K=cfg.backward_block_k,
-        ROTATE=cfg.backward_rotate,
-        # A column block narrower than 16 is below the tensor-core minimum: no split there.
-        DK_SPLIT=cfg.backward_dk_split if d // cfg.backward_dk_split >= 16 else 1,
-        DOT_FP32=interpreted(q.device),
-        num_warps=cfg.backward_num_warps,
-        num_stages=cfg.backward_num_stages,
-    )
+    t_kv = k.shape[0]
+    window = cfg.backward_key_window
+    windowed = 0 < window < t_kv
+    for key_lo in range(0, t_kv, window if windowed else max(t_kv, 1)):
+        _topk_scores_bwd_kernel[(t_q,)](
+            grad,
+            q,
+            k,
+            weights,
+            indices,
+            dq,
+            dk_acc,
+            dw,
+            key_lo,
+            min(t_kv, key_lo + window) if windowed else t_kv,
+            topk,
+            k.stride(0),
+            H=heads,
+            D=d,
+            HP=max(16, triton.next_power_of_2(heads)),
+            BLOCK_K=cfg.backward_block_k,
+            ROTATE=cfg.backward_rotate,
+            # A column block narrower than 16 is below the tensor-core minimum: no split there.
+            DK_SPLIT=cfg.backward_dk_split if d // cfg.backward_dk_split >= 16 else 1,
+            WINDOWED=windowed,
+            SCAN=1024,
+            DOT_FP32=interpreted(q.device),
+            num_warps=cfg.backward_num_warps,
+            num_stages=cfg.backward_num_stages,
+        )
