@@ -14,7 +14,9 @@ A program takes rows from a shared counter; per row (length ``L = hi - lo``):
 2. **Stream** the range once. Each warp owns a contiguous segment of it and appends every
    element >= ``t_lo`` (fp32 bits and column, in column order) to its own list in global
    scratch; ranks within a warp need no barrier. The lists are then concatenated (~k entries,
-   L2 resident), so the stream is the only pass over the scores in HBM.
+   L2 resident), so the stream is the only pass over the scores in HBM. Each step also hints
+   L2 to fetch the tile ``PREFETCH`` steps ahead: the stream holds one tile in registers, too
+   few bytes in flight to cover HBM latency, and a prefetch holds none.
 3. **Retry** once if the list came out short of k or overflowed (an unlucky sample, about one
    row in 500): a new lower bound from the sample, calibrated by the count just measured, and
    one more streaming pass.
@@ -227,8 +229,29 @@ def _stream_tile(x, cols, v_lo, region, n_w, LIST: tl.constexpr, REPS: tl.conste
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (``prefetch.global.L2``: a hint; no register waits)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _stream_lists(
-    row_ptr, lo, hi, v_lo, list_ptr, LIST: tl.constexpr, REPS: tl.constexpr, WARPS: tl.constexpr
+    row_ptr,
+    lo,
+    hi,
+    v_lo,
+    list_ptr,
+    LIST: tl.constexpr,
+    REPS: tl.constexpr,
+    WARPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Append every element >= ``v_lo`` of the row range to per-warp lists; return their
     sizes (``[WARPS]``).
@@ -242,7 +265,9 @@ def _stream_lists(
 
     Steps whose tile lies inside [lo, hi) for every segment load without a mask (vectorized)
     and one step ahead; the few others (the first, the last) are separate loops so that the
-    two kinds of load do not share registers. Values are compared as fp32: ``v_lo`` is normal
+    two kinds of load do not share registers. Interior steps also prefetch the tile
+    ``PREFETCH`` steps ahead into L2 (one hint per thread and 128-column row, clamped to the
+    range, so no line outside it is fetched). Values are compared as fp32: ``v_lo`` is normal
     or infinite, so this is the key order even under flush-to-zero compares; NaN and masked
     lanes (loaded as -inf) compare false. An entry is the fp32 bit pattern (high word) and the
     column (low word). Entries past ``LIST`` are dropped but still counted.
@@ -255,6 +280,7 @@ def _stream_lists(
     a0 = (lo // 128) * 128  # aligned start, so that interior tiles vectorize
     seg = tl.cdiv(tl.cdiv(hi - a0, WARPS), width) * width
     offs = a0 + wid * seg + rep * 128 + lane * 4 + vec
+    ahead = a0 + wid * seg + rep * 128 + lane * 4 + PREFETCH * width  # [32, WARPS, REPS, 1]
     region = list_ptr + wid * LIST
     # Step `it` is interior iff a0 + it >= lo (segment 0) and it <= lim (the last segment).
     lim = hi - (a0 + (WARPS - 1) * seg + width)
@@ -270,6 +296,8 @@ def _stream_lists(
         # one is ranked and stored.
         x = tl.load(row_ptr + offs + first)
         for it in range(first, stop - width, width):
+            if PREFETCH > 0:
+                _prefetch_l2(row_ptr + tl.minimum(ahead + it, hi - 1))
             x_next = tl.load(row_ptr + offs + (it + width))
             n_w = _stream_tile(x, offs + it, v_lo, region, n_w, LIST, REPS)
             x = x_next
@@ -466,6 +494,7 @@ def _topk_row(
     REPS: tl.constexpr,
     TAIL: tl.constexpr,
     WARPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """All of one row. A separate function so that per-thread index patterns are rebuilt per
     row instead of being hoisted out of the row loop, where they would pin registers."""
@@ -488,7 +517,7 @@ def _topk_row(
     # move and go to the slow path. (Two call sites rather than a loop around one: LLVM
     # hoists the stream's per-thread index patterns out of such a loop, where they pin
     # registers through the whole row.)
-    n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS)
+    n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_lo), list_ptr, LIST, REPS, WARPS, PREFETCH)
     n_cand = tl.sum(n_w, 0)
     fits = (n_cand <= LIST) & ((t_lo == _KMIN) | (n_cand >= k))
     if (~fits) & (span > k) & (k < LIST):
@@ -496,7 +525,9 @@ def _topk_row(
         # the second's.)
         t_new = _retry_bound(row_ptr, lo, span, t_lo, n_cand, (3 * k + LIST) // 4, SAMPLE, RUN)
         if t_new != t_lo:
-            n_w = _stream_lists(row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS)
+            n_w = _stream_lists(
+                row_ptr, lo, hi, _key_value(t_new), list_ptr, LIST, REPS, WARPS, PREFETCH
+            )
             n_cand = tl.sum(n_w, 0)
             t_lo = t_new
             t_hi = tl.where(t_hi >= t_lo, t_hi, _KINF)
@@ -537,6 +568,7 @@ def _ranged_topk_kernel(
     REPS: tl.constexpr,
     TAIL: tl.constexpr,
     WARPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Rows come from a counter rather than a fixed stride so that the grid may exceed what is
     # resident at once and uneven rows (causal ranges) still balance.
@@ -559,6 +591,7 @@ def _ranged_topk_kernel(
             REPS,
             TAIL,
             WARPS,
+            PREFETCH,
         )
         row = tl.atomic_add(counter_ptr, 1)
 
@@ -576,6 +609,8 @@ class TopkConfig:
     chunk: columns per step of the slow exact path.
     programs_per_sm: programs launched per SM (rows are shared out dynamically); the launch
         caps registers so that they fit (65536 per SM).
+    prefetch: streaming steps between a tile's L2 prefetch and its load (0: none). Used on
+        CUDA only: the interpreter runs no inline PTX.
     """
 
     num_warps: int
@@ -585,6 +620,7 @@ class TopkConfig:
     list_size: int
     chunk: int
     programs_per_sm: int
+    prefetch: int = 0
 
 
 def _max_registers(cfg: TopkConfig) -> int:
@@ -627,6 +663,9 @@ def default_config(n: int, k: int) -> TopkConfig:
       adjacent columns (whole 32-byte sectors: the sample then adds ~1/32 of the row's
       traffic, not a sector per sampled element).
     * A list of 8192 (k = 4096) needs 8 warps so that the search holds 32 keys per thread.
+    * The stream prefetches 4 steps ahead into L2. On the H200 (bench_topk cases, graph-timed)
+      that took 4096 x 65536 at k 2048 from 0.653 to 0.596 ms, 4096 x 131072 from 1.070 to
+      0.944 and 16k causal from 0.816 to 0.789; 8 steps ahead gained about a third as much.
     * 16 warps per SM, so 128 registers per thread (the launch caps them there). Under
       Triton 3.6 the default tilings compile within that for sm_90 without spills, except
       rows over 65536 columns (24-32 bytes, timed faster than 8 warps all the same); 512
@@ -646,6 +685,7 @@ def default_config(n: int, k: int) -> TopkConfig:
         list_size=list_size,
         chunk=512 * num_warps,
         programs_per_sm=16 // num_warps,
+        prefetch=4,
     )
 
 
@@ -715,6 +755,7 @@ def ranged_topk_triton(
         REPS=cfg.reps,
         TAIL=min(_next_pow2(k), 1024),
         WARPS=cfg.num_warps,
+        PREFETCH=cfg.prefetch if scores.device.type == "cuda" else 0,
         num_warps=cfg.num_warps,
         maxnreg=_max_registers(cfg),
     )
