@@ -373,6 +373,21 @@ def test_cpu_interp_backward_key_windows(pattern, rotate):
     _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-10)
 
 
+@interp_only
+def test_cpu_interp_backward_without_keys():
+    """No keys at all: every slot is padding, and dq / dweights are still written (zeros)."""
+    gen = _gen("no-keys")
+    q, k, w = _qkw(5, 0, 4, 16, "cpu", gen)
+    indices = torch.full((5, 3), -1, dtype=torch.int32)
+    grad = torch.randn(5, 3, generator=gen)
+    config = dataclasses.replace(INTERP_CONFIG, backward_key_window=16)
+    aq = torch.full(q.shape, float("nan"))
+    ak = torch.zeros(k.shape)
+    aw = torch.full(w.shape, float("nan"))
+    topk_scores_backward_into(aq, ak, aw, grad, q, k, w, indices, config=config)
+    assert torch.equal(aq, torch.zeros_like(aq)) and torch.equal(aw, torch.zeros_like(aw))
+
+
 # --------------------------------------------------------------------------- GPU
 
 LAYOUTS = ["causal", "packed_1tok", "ratio4", "cp_offset", "random"]

@@ -436,7 +436,9 @@ def topk_scores_backward_into(
     t_kv = k.shape[0]
     window = cfg.backward_key_window
     windowed = 0 < window < t_kv
-    for key_lo in range(0, t_kv, window if windowed else max(t_kv, 1)):
+    step = window if windowed else max(t_kv, 1)
+    # One launch at least, also without keys: the first pass writes every dq and dweights row.
+    for key_lo in range(0, max(t_kv, 1), step):
         _topk_scores_bwd_kernel[(t_q,)](
             grad,
             q,
@@ -447,7 +449,7 @@ def topk_scores_backward_into(
             dk_acc,
             dw,
             key_lo,
-            min(t_kv, key_lo + window) if windowed else t_kv,
+            min(t_kv, key_lo + step),
             topk,
             k.stride(0),
             H=heads,
