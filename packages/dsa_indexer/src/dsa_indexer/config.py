@@ -140,7 +140,9 @@ _SWEEP = {
 
 # Keys per backward pass on Hopper: the pass's fp32 dk scratch (512 B a key at D = 128) and bf16
 # key rows (256 B) take 48 MB of the 60 MB L2; 64k-key causal inputs, whose whole scratch is that
-# size, ran at 2.7-2.9x the backward floor, 128k keys in one pass at 3.0-3.4x.
+# size, ran at 2.7-2.9x the backward floor, 128k keys in one pass at 3.0-3.4x. Measured at 8, 32
+# and 64 heads on 128k causal keys (bench_indexer.py --window-sweep: 51.9 -> 45.9, 51.3 -> 48.3,
+# 77.8 -> 68.1 ms; 32768-key windows gained less); 16 heads takes the same window untimed.
 _HOPPER_KEY_WINDOW = 65536
 
 
