@@ -118,7 +118,8 @@ TORCH_CONFIG = IndexerConfig(backend="torch")
 DEFAULT_CONFIG = IndexerConfig()
 
 _MEASURED = (
-    "measured H200 (bench_indexer.py --sweep and --backward-sweep, 16k causal / packed8, 4k)"
+    "measured H200 (bench_indexer.py --sweep and --backward-sweep, 16k causal / packed8, 4k;"
+    " --window-sweep, 64k / 128k)"
 )
 
 # Fastest candidates of the sweeps per head count: (logits rows, block_n, warps, stages) and
