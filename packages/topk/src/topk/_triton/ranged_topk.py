@@ -665,7 +665,8 @@ def default_config(n: int, k: int) -> TopkConfig:
     * A list of 8192 (k = 4096) needs 8 warps so that the search holds 32 keys per thread.
     * The stream prefetches 4 steps ahead into L2. On the H200 (bench_topk cases, graph-timed)
       that took 4096 x 65536 at k 2048 from 0.653 to 0.596 ms, 4096 x 131072 from 1.070 to
-      0.944 and 16k causal from 0.816 to 0.789; 8 steps ahead gained about a third as much.
+      0.944 and 16k causal from 0.816 to 0.789; 8 steps ahead gained a quarter to a half as
+      much.
     * 16 warps per SM, so 128 registers per thread (the launch caps them there). Under
       Triton 3.6 the default tilings compile within that for sm_90 without spills, except
       rows over 65536 columns (24-32 bytes, timed faster than 8 warps all the same); 512
