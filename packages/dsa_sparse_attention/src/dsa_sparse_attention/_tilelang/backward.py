@@ -39,7 +39,6 @@ the compiled kernels; heads, groups, widths, padded top-k and the tiling are sta
 import functools
 import json
 import math
-import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -48,6 +47,8 @@ import tilelang.language as T
 import torch
 import torch.nn.functional as F
 from kernel_common import device_arch, tilelang_target
+
+from dsa_sparse_attention._tilelang._build import compile_kernel
 
 LOG2E = math.log2(math.e)
 
@@ -465,25 +466,17 @@ def _target_key(target: dict | str | None) -> str:
     return json.dumps(dict(target), sort_keys=True)
 
 
-# Building a kernel parses Python source (TileLang's frontend uses `ast`), which is not safe
-# to run from several threads at once ("AST constructor recursion depth mismatch" on CPython
-# 3.11): builds are serialised, the nvcc compiles that follow still run in parallel.
-_BUILD_LOCK = threading.Lock()
-
-
 @functools.lru_cache(maxsize=None)
 def _compile_preprocess(heads: int, d_v: int, target: str) -> tilelang.JITKernel:
     # Default pass configs: the automatic bounds guards cover the ragged last row block.
-    with _BUILD_LOCK:
-        func = _build_preprocess(heads, d_v)
-    return tilelang.compile(func, target=json.loads(target))
+    return compile_kernel(lambda: _build_preprocess(heads, d_v), target=json.loads(target))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_main(*static: object, target: str) -> tilelang.JITKernel:
-    with _BUILD_LOCK:
-        func = _build_main(*static)
-    return tilelang.compile(func, target=json.loads(target), pass_configs=_PASS_CONFIGS)
+    return compile_kernel(
+        lambda: _build_main(*static), target=json.loads(target), pass_configs=_PASS_CONFIGS
+    )
 
 
 def compile_backward(

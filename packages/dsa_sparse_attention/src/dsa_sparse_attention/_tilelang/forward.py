@@ -56,6 +56,8 @@ import tilelang.language as T
 import torch
 from kernel_common import device_arch, tilelang_target
 
+from dsa_sparse_attention._tilelang._build import compile_kernel
+
 LOG2E = 1.4426950408889634
 HB = 64  # query heads per program: the wgmma M of one warpgroup
 THREADS = 384  # consumer warpgroups 0 and 1, producer warpgroup 2
@@ -435,9 +437,10 @@ def compile_forward(
     Compiles for ``{"kind": "cuda", "arch": target_arch}``; works without a GPU when nvcc is
     present. Batch, S, S_kv and topk are dynamic, so new lengths reuse the compiled kernel.
     """
-    func = build_forward(heads, groups, dim, d_v, topk_padded, has_sink, block_i, num_stages)
-    return tilelang.compile(
-        func, target={"kind": "cuda", "arch": target_arch}, pass_configs=PASS_CONFIGS
+    return compile_kernel(
+        lambda: build_forward(heads, groups, dim, d_v, topk_padded, has_sink, block_i, num_stages),
+        target={"kind": "cuda", "arch": target_arch},
+        pass_configs=PASS_CONFIGS,
     )
 
 
