@@ -15,7 +15,7 @@ Columns:
 * read: one read of the in-range scores at the device-to-device copy bandwidth measured in
   this run (bytes read + written per second of a 1 GiB copy);
 * eager: ours again, timed by events around one eager call. That includes the host's launch
-  work (~50-90 us here) wherever the GPU waits for it; ours and torch are timed as CUDA-graph
+  work (50-130 us here) wherever the GPU waits for it; ours and torch are timed as CUDA-graph
   replays (``kernel_common.timing.cuda_graph_time_ms``), the device time a graph-captured
   training step sees.
 
