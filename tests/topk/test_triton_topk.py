@@ -157,6 +157,17 @@ def test_cpu_interp_wide_steps(reps):
 
 
 @interp_only
+def test_cpu_interp_interior_step_counts():
+    """Rows of 1 to 6 unmasked steps per warp: the interior loop takes two steps per iteration,
+    so odd and even counts end differently."""
+    gen = _gen("interior")
+    scores = torch.randn(6, 1536, generator=gen)
+    lo = torch.zeros(6, dtype=torch.int32)
+    hi = 256 * torch.arange(1, 7, dtype=torch.int32)  # 2 warps x 128 columns per step
+    _run_interp(scores, 40, lo, hi)
+
+
+@interp_only
 def test_cpu_interp_sample_in_runs():
     gen = _gen("runs")
     scores = torch.randn(4, 300, generator=gen)
