@@ -342,15 +342,15 @@ def _compact_lists(list_ptr, n_w, LIST: tl.constexpr, WARPS: tl.constexpr):
     Warp w's entries go to offset ``sum(n_w[:w])`` of region 0; the regions of warps >= 1 are
     only read, region 0 past its own entries only written, so nothing overlaps. The offsets
     are a masked sum rather than a cumsum over the ``WARPS`` counts (a scan of a tile smaller
-    than the program, which Triton 3.6 cannot lower). Each step moves up to 512 entries per
+    than the program, which Triton 3.6 cannot lower). Each step moves up to 1024 entries per
     warp: the moves wait on L2 reads, so few wide steps beat many narrow ones (~750 entries
-    per warp at 65536 columns and k = 2048: 2 steps instead of 12 of 64).
+    per warp at 65536 columns and k = 2048: 1 step instead of 12 of 64).
     """
     wid = tl.arange(0, WARPS)
     earlier = wid[None, :] < wid[:, None]
     start = tl.sum(tl.where(earlier, n_w[None, :], 0), 1)[:, None]
-    for j0 in range(0, tl.max(n_w), 512):
-        j = j0 + tl.arange(0, 512)[None, :]
+    for j0 in range(0, tl.max(n_w), 1024):
+        j = j0 + tl.arange(0, 1024)[None, :]
         move = (wid[:, None] > 0) & (j < n_w[:, None])
         entry = tl.load(list_ptr + wid[:, None] * LIST + j, mask=move, other=0)
         tl.store(list_ptr + start + j, entry, mask=move)
@@ -692,14 +692,16 @@ def default_config(n: int, k: int) -> TopkConfig:
       adjacent columns (whole 32-byte sectors: the sample then adds ~1/32 of the row's
       traffic, not a sector per sampled element).
     * A list of 8192 (k = 4096) needs 8 warps so that the search holds 32 keys per thread.
-    * The stream prefetches 4 steps ahead into L2. On the H200 (bench_topk cases, graph-timed)
-      that took 4096 x 65536 at k 2048 from 0.653 to 0.596 ms, 4096 x 131072 from 1.070 to
-      0.944 and 16k causal from 0.816 to 0.789; 8 steps ahead gained a quarter to a half as
-      much.
+    * The stream prefetches 3 steps ahead into L2. On the H200 (bench_topk cases, graph-timed)
+      prefetching 4 ahead took 4096 x 65536 at k 2048 from 0.653 to 0.596 ms, 4096 x 131072
+      from 1.070 to 0.944 and 16k causal from 0.816 to 0.789; 8 ahead gained a quarter to a
+      half as much. With two tiles per loop iteration, 3 ahead was the fastest of 2, 3, 4 and 6
+      on the long rows at k 2048, by 0.1-4% (2 ahead was 1% faster at 131072, k 640;
+      results/tuning_topk_session11.log).
     * 16 warps per SM, so 128 registers per thread (the launch caps them there). Under
-      Triton 3.6 the default tilings compile within that for sm_90 without spills, except
-      rows over 65536 columns (24-32 bytes, timed faster than 8 warps all the same); 512
-      columns per warp and step (``reps=4``) spill much more.
+      Triton 3.6 the default tilings compile within that for sm_90 with at most 24 bytes
+      spilled, outside the loops (none at 16384 columns); 512 columns per warp and step
+      (``reps=4``) spill much more.
     """
     n_pow2 = _next_pow2(max(n, 1))
     sample = min(max(n_pow2 // 32, 64), 4096)
@@ -715,7 +717,7 @@ def default_config(n: int, k: int) -> TopkConfig:
         list_size=list_size,
         chunk=512 * num_warps,
         programs_per_sm=16 // num_warps,
-        prefetch=4,
+        prefetch=3,
     )
 
 
