@@ -106,8 +106,10 @@ def _load_sample(row_ptr, lo, span, SAMPLE: tl.constexpr, RUN: tl.constexpr):
     first_run = tl.cdiv(lo, RUN)
     whole = (lo + span) // RUN - first_run
     if whole >= G:
+        # Run g is whole run floor(g * whole / G), split so that no product overflows int32.
         run = tl.arange(0, G)[:, None]
-        cols = (first_run + (run * whole) // G) * RUN + tl.arange(0, RUN)[None, :]
+        run = run * (whole // G) + (run * (whole % G)) // G
+        cols = (first_run + run) * RUN + tl.arange(0, RUN)[None, :]
         bits = tl.load(row_ptr + cols).to(tl.float32).to(tl.int32, bitcast=True)
         keys = tl.reshape(_keys(bits, cols >= 0), [SAMPLE])
         n_in = tl.full([], SAMPLE, tl.int32)
