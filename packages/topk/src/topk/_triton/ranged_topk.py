@@ -15,8 +15,8 @@ A program takes rows from a shared counter; per row (length ``L = hi - lo``):
    element >= ``t_lo`` (fp32 bits and column, in column order) to its own list in global
    scratch; ranks within a warp need no barrier. The lists are then concatenated (~k entries,
    L2 resident), so the stream is the only pass over the scores in HBM. Each step also hints
-   L2 to fetch the tile ``PREFETCH`` steps ahead: the stream holds one tile in registers, too
-   few bytes in flight to cover HBM latency, and a prefetch holds none.
+   L2 to fetch the tile ``PREFETCH`` steps ahead: the stream loads one tile a step before it
+   is ranked, too few bytes in flight to cover HBM latency, and a prefetch holds no register.
 3. **Retry** once if the list came out short of k or overflowed (an unlucky sample, about one
    row in 500): a new lower bound from the sample, calibrated by the count just measured, and
    one more streaming pass.
