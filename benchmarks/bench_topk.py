@@ -25,23 +25,19 @@ case exact and faster than torch. Writes ``topk.csv`` and ``topk.png`` to ``--ou
 
 Run: ``python benchmarks/bench_topk.py [--out DIR]`` on a CUDA machine;
 ``python benchmarks/bench_topk.py --plot topk.csv`` redraws the PNG anywhere.
-``--sweep FIELD=V1,V2,...`` (repeatable) instead times every combination of those
-``TopkConfig`` values over each case's default config at k 2048 (graph-timed, checked exact) and
-prints one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from functools import partial
-from itertools import product
 from pathlib import Path
 
 import torch
 from kernel_common.timing import cuda_graph_time_ms, cuda_time_ms
-from topk._triton import TopkConfig, default_config, ranged_topk_triton
+from topk._triton import default_config, ranged_topk_triton
 from topk.reference import ranged_topk_reference
 
 CASES = (
@@ -108,58 +104,17 @@ def bar_for(case: str, k: int, exact: bool, ours: float, torch_ms: float, read: 
     return "ok" if ok else "MISSED"
 
 
-def parse_sweep(items: list[str]) -> dict[str, list[int]]:
-    """``["prefetch=2,3,4", ...]`` -> ``{"prefetch": [2, 3, 4], ...}`` (TopkConfig int fields)."""
-    names = {field.name for field in fields(TopkConfig)}
-    sweep = {}
-    for item in items:
-        name, _, values = item.partition("=")
-        if name not in names or not values:
-            raise SystemExit(f"--sweep takes FIELD=V1,V2,... with FIELD one of {sorted(names)}")
-        sweep[name] = [int(v) for v in values.split(",")]
-    return sweep
-
-
-def run_sweep(sweep: dict[str, list[int]]) -> None:
-    combos = [dict(zip(sweep, values, strict=True)) for values in product(*sweep.values())]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    table = []
-    for case, rows, n in CASES:
-        scores, _, lo, hi = causal_block(rows, n, gen)
-        ref = ranged_topk_reference(scores, 2048, lo, hi)
-        for combo in combos:
-            cfg = replace(default_config(n, 2048), **combo)
-            run = partial(ranged_topk_triton, scores, 2048, lo, hi, config=cfg)
-            exact = bool(torch.equal(run(), ref))
-            ms = cuda_graph_time_ms(run, warmup=3, rep=20)
-            table.append(f"{case:20s} {combo} {ms:8.3f} ms{'' if exact else '  NOT EXACT'}")
-            print(table[-1], flush=True)
-        del scores, ref
-        torch.cuda.empty_cache()
-    print("\n" + "\n".join(table))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--plot", type=Path, metavar="CSV", help="only redraw topk.png from a CSV")
-    parser.add_argument(
-        "--sweep",
-        action="append",
-        metavar="FIELD=V1,V2",
-        help="time TopkConfig values at k 2048 instead (repeatable; all combinations)",
-    )
     args = parser.parse_args()
-    sweep = parse_sweep(args.sweep or [])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         plot(read_csv(args.plot), args.out / "topk.png")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_topk needs a CUDA GPU (or --plot CSV)")
-    if sweep:
-        run_sweep(sweep)
-        return
 
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
