@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention lightning indexer: logits, differentiable top-k scores, ranges."""
 
 from dsa_indexer._ops import indexer_logits, indexer_topk_scores, lightning_indexer
-from dsa_indexer.config import IndexerConfig
+from dsa_indexer.config import IndexerConfig, resolve_config
 from dsa_indexer.ranges import causal_ranges
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
     "indexer_logits",
     "indexer_topk_scores",
     "lightning_indexer",
+    "resolve_config",
 ]
 __version__ = "0.1.0"

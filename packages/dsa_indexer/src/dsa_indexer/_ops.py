@@ -1,13 +1,21 @@
-"""Public indexer entries: validation, ``dsa_indexer::*`` custom ops, autograd, dispatch."""
+"""Public indexer entries: validation, ``dsa_indexer::*`` custom ops, autograd, dispatch.
+
+Each entry checks its arguments and resolves one complete :class:`IndexerConfig`
+(:func:`dsa_indexer.resolve_config`); the custom ops receive its fields as typed static arguments
+(custom ops take no dataclasses) in declaration order and run the Triton kernels or the torch
+reference.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from kernel_common import check_int, check_tensor
+from kernel_common import check_indices, check_int, check_tensor
 from topk import ranged_topk
 
 from dsa_indexer import reference
-from dsa_indexer.config import IndexerConfig, resolve_indexer_config
+from dsa_indexer.config import IndexerConfig, resolve_config
 
 _OP_INPUTS = (torch.bfloat16,)
 
@@ -37,19 +45,10 @@ def _check_ranges(op: str, q, starts, ends) -> None:
         )
 
 
-def _config_arg(op: str, config: IndexerConfig | None) -> str:
-    """The ops take the caller's config as JSON, or "" for the table's choice."""
-    if config is None:
-        return ""
-    if not isinstance(config, IndexerConfig):
-        raise TypeError(f"{op}: config must be an IndexerConfig, got {type(config).__name__}")
-    return config.to_json()
-
-
-def _resolve(q: torch.Tensor, config: str) -> IndexerConfig:
-    # Resolved inside the ops so that arch detection stays out of torch.compile's trace.
-    caller = IndexerConfig.from_json(config) if config else None
-    return resolve_indexer_config(q.device, q.shape[1], caller).config
+def _config_fields(q: torch.Tensor, config: IndexerConfig | None) -> tuple:
+    """The resolved config's fields, in declaration order: the ops' static arguments."""
+    cfg = resolve_config(q, config).config
+    return tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
 
 
 @torch.library.custom_op("dsa_indexer::indexer_logits", mutates_args=())
@@ -60,9 +59,37 @@ def _indexer_logits_op(
     starts: torch.Tensor,
     ends: torch.Tensor,
     clean: bool,
-    config: str,
+    backend: str,
+    logits_block_rows: int,
+    logits_block_n: int,
+    logits_num_warps: int,
+    logits_num_stages: int,
+    scores_block_k: int,
+    scores_num_warps: int,
+    scores_num_stages: int,
+    backward_block_k: int,
+    backward_num_warps: int,
+    backward_num_stages: int,
+    backward_rotate: bool,
+    backward_dk_split: int,
+    backward_key_window: int,
 ) -> torch.Tensor:
-    cfg = _resolve(q, config)
+    cfg = IndexerConfig(
+        backend,
+        logits_block_rows,
+        logits_block_n,
+        logits_num_warps,
+        logits_num_stages,
+        scores_block_k,
+        scores_num_warps,
+        scores_num_stages,
+        backward_block_k,
+        backward_num_warps,
+        backward_num_stages,
+        backward_rotate,
+        backward_dk_split,
+        backward_key_window,
+    )
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_logits_triton
 
@@ -72,8 +99,22 @@ def _indexer_logits_op(
 
 
 @_indexer_logits_op.register_fake
-def _(q, k, weights, starts, ends, clean, config):
+def _(q, k, weights, starts, ends, clean, *config):
     return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
+
+
+# The logits are not differentiable by contract (the scores at the selected columns are). An
+# autograd registration that marks the output non-differentiable lets inputs that require grad
+# through opcheck and torch.compile, and the output claims no gradient.
+def _logits_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+def _logits_backward(ctx, grad):
+    raise RuntimeError("indexer_logits is not differentiable")
+
+
+_indexer_logits_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
 
 
 def indexer_logits(
@@ -95,7 +136,8 @@ def indexer_logits(
         starts, ends: int32 ``[T]``: the half-open key range of each query.
         clean: write -inf outside each range; with ``clean=False`` entries outside the ranges
             are undefined and only a range-aware consumer (:func:`topk.ranged_topk`) may read it.
-        config: an :class:`IndexerConfig`; default from the measured per-arch table.
+        config: an :class:`IndexerConfig`; default the measured per-arch table row
+            (:func:`dsa_indexer.resolve_config` tells which).
 
     Returns:
         float32 ``[T, T_kv]``: ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` for ``s`` in range.
@@ -104,34 +146,56 @@ def indexer_logits(
     op = "indexer_logits"
     _check_qkw(op, q, k, weights)
     _check_ranges(op, q, starts, ends)
-    return _indexer_logits_op(q, k, weights, starts, ends, bool(clean), _config_arg(op, config))
-
-
-def _check_indices(q, k, indices) -> None:
-    """Index values must lie in [-1, T_kv); the torch backend checks them (GPU kernels pad)."""
-    bad = (indices < -1) | (indices >= k.shape[0])
-    if bool(bad.any()):
-        raise ValueError(
-            f"indexer_topk_scores: indices must lie in [-1, T_kv={k.shape[0]}); "
-            f"found {int(bad.sum())} entries outside it"
-        )
+    return _indexer_logits_op(q, k, weights, starts, ends, bool(clean), *_config_fields(q, config))
 
 
 @torch.library.custom_op("dsa_indexer::indexer_topk_scores", mutates_args=())
 def _topk_scores_op(
-    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, config: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    backend: str,
+    logits_block_rows: int,
+    logits_block_n: int,
+    logits_num_warps: int,
+    logits_num_stages: int,
+    scores_block_k: int,
+    scores_num_warps: int,
+    scores_num_stages: int,
+    backward_block_k: int,
+    backward_num_warps: int,
+    backward_num_stages: int,
+    backward_rotate: bool,
+    backward_dk_split: int,
+    backward_key_window: int,
 ) -> torch.Tensor:
-    cfg = _resolve(q, config)
+    cfg = IndexerConfig(
+        backend,
+        logits_block_rows,
+        logits_block_n,
+        logits_num_warps,
+        logits_num_stages,
+        scores_block_k,
+        scores_num_warps,
+        scores_num_stages,
+        backward_block_k,
+        backward_num_warps,
+        backward_num_stages,
+        backward_rotate,
+        backward_dk_split,
+        backward_key_window,
+    )
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_topk_scores_triton
 
         return indexer_topk_scores_triton(q, k, weights, indices, config=cfg)
-    _check_indices(q, k, indices)
+    check_indices("indexer_topk_scores", "indices", indices, k.shape[0], "T_kv")
     return reference.indexer_topk_scores_reference(q, k, weights, indices)
 
 
 @_topk_scores_op.register_fake
-def _(q, k, weights, indices, config):
+def _(q, k, weights, indices, *config):
     return q.new_empty(indices.shape, dtype=torch.float32)
 
 
@@ -142,9 +206,37 @@ def _topk_scores_backward_op(
     k: torch.Tensor,
     weights: torch.Tensor,
     indices: torch.Tensor,
-    config: str,
+    backend: str,
+    logits_block_rows: int,
+    logits_block_n: int,
+    logits_num_warps: int,
+    logits_num_stages: int,
+    scores_block_k: int,
+    scores_num_warps: int,
+    scores_num_stages: int,
+    backward_block_k: int,
+    backward_num_warps: int,
+    backward_num_stages: int,
+    backward_rotate: bool,
+    backward_dk_split: int,
+    backward_key_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = _resolve(q, config)
+    cfg = IndexerConfig(
+        backend,
+        logits_block_rows,
+        logits_block_n,
+        logits_num_warps,
+        logits_num_stages,
+        scores_block_k,
+        scores_num_warps,
+        scores_num_stages,
+        backward_block_k,
+        backward_num_warps,
+        backward_num_stages,
+        backward_rotate,
+        backward_dk_split,
+        backward_key_window,
+    )
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_topk_scores_backward_triton
 
@@ -153,20 +245,20 @@ def _topk_scores_backward_op(
 
 
 @_topk_scores_backward_op.register_fake
-def _(grad, q, k, weights, indices, config):
+def _(grad, q, k, weights, indices, *config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights, dtype=torch.float32)
 
 
 def _scores_setup_context(ctx, inputs, output):
-    q, k, weights, indices, config = inputs
+    q, k, weights, indices, *config = inputs
     ctx.save_for_backward(q, k, weights, indices)
     ctx.config = config
 
 
 def _scores_backward(ctx, grad):
     q, k, weights, indices = ctx.saved_tensors
-    dq, dk, dw = _topk_scores_backward_op(grad.contiguous(), q, k, weights, indices, ctx.config)
-    return dq, dk, dw, None, None
+    dq, dk, dw = _topk_scores_backward_op(grad.contiguous(), q, k, weights, indices, *ctx.config)
+    return dq, dk, dw, None, *(None,) * len(ctx.config)
 
 
 _topk_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup_context)
@@ -187,7 +279,8 @@ def indexer_topk_scores(
         indices: int32 ``[T, topk]`` key columns in ``[-1, T_kv)``, -1 for padding (duplicates
             allowed: each occurrence counts). GPU kernels treat values outside it as padding;
             the torch backend rejects them.
-        config: an :class:`IndexerConfig`; default from the measured per-arch table.
+        config: an :class:`IndexerConfig`; default the measured per-arch table row
+            (:func:`dsa_indexer.resolve_config` tells which).
 
     Returns:
         float32 ``[T, topk]``: the same value :func:`indexer_logits` gives at those columns,
@@ -209,7 +302,7 @@ def indexer_topk_scores(
         raise ValueError(
             f"{op}: indices must have topk >= 1 columns, got shape {list(indices.shape)}"
         )
-    return _topk_scores_op(q, k, weights, indices, _config_arg(op, config))
+    return _topk_scores_op(q, k, weights, indices, *_config_fields(q, config))
 
 
 def lightning_indexer(
@@ -233,8 +326,8 @@ def lightning_indexer(
     _check_qkw(op, q, k, weights)
     _check_ranges(op, q, starts, ends)
     check_int(op, "topk", topk, minimum=1)
-    config_arg = _config_arg(op, config)
+    fields = _config_fields(q, config)
     with torch.no_grad():
-        logits = _indexer_logits_op(q, k, weights, starts, ends, False, config_arg)
+        logits = _indexer_logits_op(q, k, weights, starts, ends, False, *fields)
         indices = ranged_topk(logits, topk, starts, ends)
-    return _topk_scores_op(q, k, weights, indices, config_arg), indices
+    return _topk_scores_op(q, k, weights, indices, *fields), indices

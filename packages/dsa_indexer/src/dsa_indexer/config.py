@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 from dataclasses import dataclass
 
 import torch
@@ -102,15 +99,6 @@ class IndexerConfig:
                 f"IndexerConfig.backward_key_window must be an int >= 0, got {window!r}"
             )
 
-    def to_json(self) -> str:
-        """Stable text form (a custom op's string argument)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @staticmethod
-    @functools.cache
-    def from_json(text: str) -> IndexerConfig:
-        return IndexerConfig(**json.loads(text))
-
 
 TORCH_CONFIG = IndexerConfig(backend="torch")
 
@@ -176,32 +164,26 @@ INDEXER_CONFIGS: ConfigTable[IndexerConfig] = ConfigTable(
 )
 
 
-def resolve_indexer_config(
-    device: torch.device | str,
-    heads: int,
-    config: IndexerConfig | None = None,
-) -> Lookup[IndexerConfig]:
-    """The config for inputs on ``device`` with ``heads`` query heads.
+def resolve_config(q: torch.Tensor, config: IndexerConfig | None = None) -> Lookup[IndexerConfig]:
+    """The config the indexer ops run for queries ``q`` ``[T, H, D]``, and where it came from.
 
-    CPU (any non-CUDA) tensors always get the torch reference, whatever ``config`` says, and
-    so do ROCm devices (the Triton kernels are neither tested nor sized for them: the sm_90
-    tiles exceed a CDNA workgroup's 64 KB of LDS). On a CUDA device: the caller's ``config``
-    if given, else the table row for (arch major, heads bucket), else the default. Arch
-    detection is lazy and cached (``KERNEL_COMMON_ARCH`` overrides it); nothing here
-    synchronises with the device.
+    CPU (any non-CUDA) tensors always run the torch reference, whatever ``config`` says, and so
+    do ROCm devices (the Triton kernels are neither tested nor sized for them: the sm_90 tiles
+    exceed a CDNA workgroup's 64 KB of LDS). On a CUDA device: the caller's ``config`` if given,
+    else the table row for (arch major, heads bucket), else the default. ``.source`` says which
+    applied. Arch detection is lazy and cached (``KERNEL_COMMON_ARCH`` overrides it); nothing
+    here synchronises with the device.
     """
-    device = torch.device(device)
-    arch = device_arch(device) if device.type == "cuda" else None
-    if arch is None or arch.vendor != "cuda":
-        key = INDEXER_CONFIGS.key(arch_major=arch.major if arch else 0, heads=heads)
-        where = "cpu tensors" if arch is None else f"{arch.sm}"
-        return Lookup(TORCH_CONFIG, f"{where}: torch reference", key)
+    if config is not None and not isinstance(config, IndexerConfig):
+        raise TypeError(
+            f"dsa_indexer: config must be an IndexerConfig, got {type(config).__name__}"
+        )
+    heads = q.shape[1]
+    if q.device.type != "cuda":
+        key = INDEXER_CONFIGS.key(arch_major=0, heads=heads)
+        return Lookup(TORCH_CONFIG, "cpu tensors: the torch reference", key)
+    arch = device_arch(q.device)
+    if arch.vendor != "cuda":
+        key = INDEXER_CONFIGS.key(arch_major=arch.major, heads=heads)
+        return Lookup(TORCH_CONFIG, f"{arch.sm}: the torch reference", key)
     return INDEXER_CONFIGS.lookup(config, arch_major=arch.major, heads=heads)
-
-
-def table_config(device: torch.device | str, heads: int) -> IndexerConfig:
-    """The table's tiling for ``device``, even where the backend would be torch (the Triton
-    interpreter on CPU tensors, or a direct call of the Triton functions)."""
-    device = torch.device(device)
-    major = device_arch(device).major if device.type == "cuda" else 0
-    return INDEXER_CONFIGS.lookup(arch_major=major, heads=heads).config

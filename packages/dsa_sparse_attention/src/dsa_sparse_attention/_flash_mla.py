@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 
 import torch
+from kernel_common.constants import LOG2E, round_up
 
-_LOG2E = 1.0 / math.log(2.0)
 TOPK_MULTIPLE = 128
 
 
+# A constant for torch.compile: the entry resolves its config while being traced.
+@torch.compiler.assume_constant_result
 def flash_mla_importable() -> bool:
     return importlib.util.find_spec("flash_mla") is not None
 
@@ -63,7 +64,7 @@ def sparse_attention_forward_flash_mla(
     valid = (idx >= 0) & (idx < s_kv)
     offset = torch.arange(b, device=idx.device, dtype=idx.dtype).view(b, 1, 1) * s_kv
     idx = torch.where(valid, idx + offset, -1).reshape(b * s, 1, topk)
-    pad_k = -topk % TOPK_MULTIPLE
+    pad_k = round_up(topk, TOPK_MULTIPLE) - topk
     if pad_k:
         idx = torch.nn.functional.pad(idx, (0, pad_k), value=-1)
     kwargs = {}
@@ -77,4 +78,4 @@ def sparse_attention_forward_flash_mla(
     lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
     if attn_sink is not None:
         lse = torch.logaddexp(lse, attn_sink.view(1, 1, h))
-    return out, lse * _LOG2E
+    return out, lse * LOG2E

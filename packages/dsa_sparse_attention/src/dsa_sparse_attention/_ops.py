@@ -1,69 +1,108 @@
-"""``sparse_attention``: validation, ``dsa_sparse_attention::*`` custom ops, autograd, dispatch."""
+"""``sparse_attention``: validation, config resolution, ``dsa_sparse_attention::*`` custom ops.
+
+A call is followed from here: :func:`sparse_attention` checks its arguments and resolves one
+complete :class:`SparseAttentionConfig` (:func:`resolve_config`); the custom op
+``dsa_sparse_attention::forward`` receives that config as typed static arguments (custom ops take
+no dataclasses), refuses a tiling the kernels cannot run for these shapes, and dispatches to
+``_tilelang`` / ``_flash_mla`` / ``reference``; its registered autograd calls
+``dsa_sparse_attention::backward`` with the backward half of the same config.
+
+Inside, the lse is in log2 units (``lse2``: the kernels' softmax runs on exp2); only the public
+entry converts it to the natural log the API returns.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from kernel_common import Lookup, check_int, check_tensor, device_arch
+from kernel_common import Arch, Lookup, check_indices, check_int, check_tensor, device_arch
+from kernel_common.constants import LN2, LOG2E
 
 from dsa_sparse_attention import _flash_mla, reference
 from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG, SparseAttentionConfig
 
-_LN2 = 0.6931471805599453  # the kernels keep lse in log2 space; the public lse is natural
+_OP = "sparse_attention"
+
+
+def _table_lookup(
+    arch: Arch, heads: int, groups: int, dim: int, d_v: int, config: SparseAttentionConfig | None
+) -> Lookup[SparseAttentionConfig]:
+    """The config for these static shapes on a CUDA ``arch``: the caller's or the table row, with
+    a FlashMLA forward replaced by the one that runs where FlashMLA cannot."""
+    found = CONFIG_TABLE.lookup(config, arch_major=arch.major, rope_tail=dim > d_v, heads=heads)
+    cfg = found.config
+    if cfg.forward_backend == "flash_mla" and not (
+        _flash_mla.flash_mla_importable()
+        and _flash_mla.flash_mla_supports(arch.major, heads, groups, dim, d_v)
+    ):
+        fallback = "tilelang" if arch.is_hopper else "torch"
+        return Lookup(
+            dataclasses.replace(cfg, forward_backend=fallback),
+            f"{found.source}; flash_mla not importable or not for this shape: {fallback} forward",
+            found.key,
+        )
+    return found
 
 
 def resolve_config(
-    q: torch.Tensor, d_v: int, config: SparseAttentionConfig | None
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    d_v: int | None = None,
+    config: SparseAttentionConfig | None = None,
 ) -> Lookup[SparseAttentionConfig]:
-    """The config a call uses and where it came from (CPU tensors always use the torch backend)."""
-    arch = device_arch(q.device)
-    if arch.vendor == "cpu":
-        return Lookup(
-            config if config is not None else TORCH_CONFIG,
-            "cpu" if config is None else "caller",
-            (),
-        )
-    return CONFIG_TABLE.lookup(
-        config, arch_major=arch.major, rope_tail=q.shape[-1] > d_v, heads=q.shape[2]
-    )
+    """The config that :func:`sparse_attention` runs for these inputs, and where it came from.
 
-
-def _config_from_op_arg(q: torch.Tensor, d_v: int, config: str) -> SparseAttentionConfig:
-    """The ops take the caller's config as JSON, or "" for the table's choice for these inputs.
-
-    Resolving inside the op keeps arch detection out of torch.compile's trace.
+    ``.config`` is what really runs: CPU tensors run the torch reference whatever ``config``
+    says; on a CUDA device it is ``config`` if given, else the measured table row for (arch
+    major, RoPE tail present, TP-local heads bucket), else the torch reference for an arch
+    without rows; a FlashMLA forward that cannot run here is replaced by the one that does.
+    ``.source`` says which of these applied and ``.describe()`` prints it with the table key.
     """
-    caller = SparseAttentionConfig.from_json(config) if config else None
-    return resolve_config(q, d_v, caller).config
-
-
-def _check_indices(kv: torch.Tensor, indices: torch.Tensor) -> None:
-    """The torch backend rejects indices outside [-1, S_kv) (GPU kernels treat them as padding)."""
-    bad = (indices < -1) | (indices >= kv.shape[1])
-    if bool(bad.any()):
-        raise ValueError(
-            f"sparse_attention: indices must lie in [-1, S_kv={kv.shape[1]}); "
-            f"found {int(bad.sum())} entries outside it"
+    if config is not None and not isinstance(config, SparseAttentionConfig):
+        raise TypeError(
+            f"{_OP}: config must be a SparseAttentionConfig, got {type(config).__name__}"
         )
-
-
-def forward_backend(q: torch.Tensor, kv: torch.Tensor, d_v: int, cfg: SparseAttentionConfig) -> str:
-    """The forward backend that actually runs: FlashMLA only where it is importable and supports
-    the shape (else TileLang on Hopper, else torch); torch for CPU tensors."""
-    arch = device_arch(q.device)
+    dim = q.shape[-1]
+    d_v = min(dim, 512) if d_v is None else d_v
     if q.device.type != "cuda":
-        return "torch"
-    backend = cfg.forward_backend
-    if backend == "flash_mla" and not (
-        _flash_mla.flash_mla_importable()
-        and _flash_mla.flash_mla_supports(arch.major, q.shape[2], kv.shape[2], q.shape[3], d_v)
-    ):
-        backend = "tilelang" if arch.is_hopper else "torch"
-    if backend == "tilelang" and not arch.is_hopper:
-        raise ValueError(
-            f"sparse_attention: the TileLang forward targets Hopper (sm_90a), not {arch.sm}; "
-            "pass SparseAttentionConfig(forward_backend='torch') or 'flash_mla'"
-        )
-    return backend
+        source = "cpu tensors: the torch reference"
+        if config is not None:
+            source += " (the caller's config applies to CUDA tensors only)"
+        return Lookup(TORCH_CONFIG, source, ())
+    return _table_lookup(device_arch(q.device), q.shape[2], kv.shape[2], dim, d_v, config)
+
+
+def _check_runnable(
+    cfg: SparseAttentionConfig, arch: Arch, heads: int, groups: int, dim: int, d_v: int
+) -> None:
+    """Raise ValueError, naming the field, if the config's kernels cannot run these shapes on
+    ``arch`` (before anything is compiled or launched)."""
+    if cfg.forward_backend == "tilelang" or cfg.backward_backend == "tilelang":
+        if not arch.is_hopper:
+            raise ValueError(
+                f"{_OP}: the TileLang kernels target Hopper (sm_90a), not {arch.sm}; set "
+                "SparseAttentionConfig.forward_backend / backward_backend to 'torch' (or the "
+                "forward to 'flash_mla')"
+            )
+        from dsa_sparse_attention import _tilelang
+
+        if cfg.forward_backend == "tilelang":
+            _tilelang.check_forward_config(
+                heads, groups, dim, d_v, cfg.forward_block_i, cfg.forward_stages
+            )
+        if cfg.backward_backend == "tilelang":
+            _tilelang.check_backward_config(
+                heads,
+                groups,
+                dim,
+                d_v,
+                cfg.backward_block_i,
+                cfg.backward_stages,
+                cfg.split_store,
+                cfg.dkv_reduce,
+            )
 
 
 @torch.library.custom_op("dsa_sparse_attention::forward", mutates_args=())
@@ -74,36 +113,54 @@ def _forward_op(
     attn_sink: torch.Tensor | None,
     sm_scale: float,
     d_v: int,
-    config: str,
+    forward_backend: str,
+    backward_backend: str,
+    forward_block_i: int,
+    forward_stages: int,
+    backward_block_i: int,
+    backward_stages: int,
+    split_store: int,
+    dkv_reduce: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = _config_from_op_arg(q, d_v, config)
-    backend = forward_backend(q, kv, d_v, cfg)
-    if backend == "flash_mla":
-        out, lse2 = _flash_mla.sparse_attention_forward_flash_mla(
-            q, kv, indices, attn_sink, sm_scale, d_v, device_arch(q.device).major
+    # The config's fields in their declaration order, as the entry passes them.
+    cfg = SparseAttentionConfig(
+        forward_backend,
+        backward_backend,
+        forward_block_i,
+        forward_stages,
+        backward_block_i,
+        backward_stages,
+        split_store,
+        dkv_reduce,
+    )
+    if q.device.type != "cuda" or cfg.forward_backend == "torch":
+        check_indices(_OP, "indices", indices, kv.shape[1], "S_kv")
+        out, lse = reference.sparse_attention_forward_reference(
+            q, kv, indices, sm_scale, d_v, attn_sink
         )
-        return out, lse2 * _LN2
-    if backend == "tilelang":
-        from dsa_sparse_attention._tilelang import sparse_attention_forward_tilelang
+        return out, lse * LOG2E
+    arch = device_arch(q.device)
+    _check_runnable(cfg, arch, q.shape[2], kv.shape[2], q.shape[3], d_v)
+    if cfg.forward_backend == "flash_mla":
+        return _flash_mla.sparse_attention_forward_flash_mla(
+            q, kv, indices, attn_sink, sm_scale, d_v, arch.major
+        )
+    from dsa_sparse_attention._tilelang import sparse_attention_forward_tilelang
 
-        out, lse2 = sparse_attention_forward_tilelang(
-            q,
-            kv,
-            indices,
-            attn_sink,
-            sm_scale,
-            d_v,
-            block_i=cfg.forward_block_i,
-            threads=cfg.forward_threads,
-            num_stages=cfg.forward_stages,
-        )
-        return out, lse2 * _LN2
-    _check_indices(kv, indices)
-    return reference.sparse_attention_forward_reference(q, kv, indices, sm_scale, d_v, attn_sink)
+    return sparse_attention_forward_tilelang(
+        q,
+        kv,
+        indices,
+        attn_sink,
+        sm_scale,
+        d_v,
+        block_i=cfg.forward_block_i,
+        num_stages=cfg.forward_stages,
+    )
 
 
 @_forward_op.register_fake
-def _(q, kv, indices, attn_sink, sm_scale, d_v, config):
+def _(q, kv, indices, attn_sink, sm_scale, d_v, *config):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, d_v)), q.new_empty((b, s, h), dtype=torch.float32)
 
@@ -111,74 +168,86 @@ def _(q, kv, indices, attn_sink, sm_scale, d_v, config):
 @torch.library.custom_op("dsa_sparse_attention::backward", mutates_args=())
 def _backward_op(
     dout: torch.Tensor,
-    dlse: torch.Tensor | None,
+    dlse2: torch.Tensor | None,
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse2: torch.Tensor,
     attn_sink: torch.Tensor | None,
     sm_scale: float,
     d_v: int,
-    config: str,
+    backend: str,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dsink comes back as an empty tensor without a sink: custom ops cannot return None.
-    cfg = _config_from_op_arg(q, d_v, config)
-    if q.device.type == "cuda" and cfg.backward_backend == "tilelang":
+    if q.device.type == "cuda" and backend == "tilelang":
         from dsa_sparse_attention._tilelang import sparse_attention_backward_tilelang
 
         dq, dkv, dsink = sparse_attention_backward_tilelang(
             dout,
-            dlse,
+            dlse2,
             q,
             kv,
             indices,
             out,
-            lse / _LN2,
+            lse2,
             attn_sink,
             sm_scale,
             d_v,
-            block_i=cfg.backward_block_i,
-            num_stages=cfg.backward_stages,
-            split_store=cfg.split_store,
-            dkv_reduce=cfg.dkv_reduce,
+            block_i=block_i,
+            num_stages=num_stages,
+            split_store=split_store,
+            dkv_reduce=dkv_reduce,
         )
     else:
+        # The reference works in natural-log units: d lse2 / d lse = log2(e).
         dq, dkv, dsink = reference.sparse_attention_backward_reference(
-            dout, dlse, q, kv, indices, lse, sm_scale, d_v, attn_sink
+            dout,
+            dlse2 * LOG2E if dlse2 is not None else None,
+            q,
+            kv,
+            indices,
+            lse2 * LN2,
+            sm_scale,
+            d_v,
+            attn_sink,
         )
     return dq, dkv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake
-def _(dout, dlse, q, kv, indices, out, lse, attn_sink, sm_scale, d_v, config):
+def _(dout, dlse2, q, kv, indices, out, lse2, attn_sink, *static):
     h = attn_sink.shape[0] if attn_sink is not None else 0
     return torch.empty_like(q), torch.empty_like(kv), q.new_empty(h, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, indices, attn_sink, sm_scale, d_v, config = inputs
-    out, lse = output
-    ctx.save_for_backward(q, kv, indices, attn_sink, out, lse)
-    ctx.sm_scale, ctx.d_v, ctx.config = sm_scale, d_v, config
-
-
-def _backward(ctx, dout, dlse):
-    q, kv, indices, attn_sink, out, lse = ctx.saved_tensors
-    dq, dkv, dsink = _backward_op(
-        dout.contiguous(),
-        dlse,
-        q,
-        kv,
-        indices,
-        out,
-        lse,
-        attn_sink,
-        ctx.sm_scale,
-        ctx.d_v,
-        ctx.config,
+    q, kv, indices, attn_sink, sm_scale, d_v, *fields = inputs
+    cfg = SparseAttentionConfig(*fields)
+    out, lse2 = output
+    ctx.save_for_backward(q, kv, indices, attn_sink, out, lse2)
+    ctx.static = (
+        sm_scale,
+        d_v,
+        cfg.backward_backend,
+        cfg.backward_block_i,
+        cfg.backward_stages,
+        cfg.split_store,
+        cfg.dkv_reduce,
     )
-    return dq, dkv, None, dsink if attn_sink is not None else None, None, None, None
+    ctx.n_static = len(inputs) - 4
+
+
+def _backward(ctx, dout, dlse2):
+    q, kv, indices, attn_sink, out, lse2 = ctx.saved_tensors
+    dq, dkv, dsink = _backward_op(
+        dout.contiguous(), dlse2, q, kv, indices, out, lse2, attn_sink, *ctx.static
+    )
+    return dq, dkv, None, dsink if attn_sink is not None else None, *(None,) * ctx.n_static
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -202,12 +271,14 @@ def sparse_attention(
         kv: bfloat16 ``[B, S_kv, G, D]``: K is the whole row, V its first ``d_v`` columns (MLA in
             absorbed form). Query head ``h`` reads group ``h // (H // G)``; ``H % G == 0``.
         indices: int32 ``[B, S, G, topk]``, ``topk >= 1``: key rows in ``[-1, S_kv)``, -1 is
-            padding (anywhere in the row). Duplicates count once per occurrence.
+            padding (anywhere in the row). Duplicates count once per occurrence. The GPU
+            kernels treat any other out-of-range entry as padding; the torch reference rejects it.
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         d_v: value width, default ``min(D, 512)``; ``1 <= d_v <= D``.
         attn_sink: float32 ``[H]`` or None: a learnable per-head logit added to the softmax
             denominator only (it has no value).
-        config: a :class:`SparseAttentionConfig`; default from the measured table.
+        config: a :class:`SparseAttentionConfig`; default the measured table row
+            (:func:`resolve_config` tells which).
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -216,11 +287,10 @@ def sparse_attention(
         sink). A row whose indices are all -1 gives exactly 0 and finite gradients.
         Differentiable w.r.t. q, kv and attn_sink (and through lse).
     """
-    op = "sparse_attention"
-    check_tensor(op, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
+    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
     b, s, h, d = q.shape
     check_tensor(
-        op,
+        _OP,
         "kv",
         kv,
         dtypes=(torch.bfloat16,),
@@ -231,10 +301,10 @@ def sparse_attention(
     g = kv.shape[2]
     if g < 1 or h % g != 0:
         raise ValueError(
-            f"{op}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
+            f"{_OP}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
         )
     check_tensor(
-        op,
+        _OP,
         "indices",
         indices,
         dtypes=(torch.int32,),
@@ -244,16 +314,16 @@ def sparse_attention(
     )
     if indices.shape[-1] < 1:
         raise ValueError(
-            f"{op}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
+            f"{_OP}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
         )
     if d_v is None:
         d_v = min(d, 512)
-    check_int(op, "d_v", d_v, minimum=1)
+    check_int(_OP, "d_v", d_v, minimum=1)
     if d_v > d:
-        raise ValueError(f"{op}: d_v={d_v} must not exceed the q/kv width D={d}")
+        raise ValueError(f"{_OP}: d_v={d_v} must not exceed the q/kv width D={d}")
     if attn_sink is not None:
         check_tensor(
-            op,
+            _OP,
             "attn_sink",
             attn_sink,
             dtypes=(torch.float32,),
@@ -261,12 +331,9 @@ def sparse_attention(
             layout=f"[H={h}]",
             device=q.device,
         )
-    if config is not None and not isinstance(config, SparseAttentionConfig):
-        raise TypeError(
-            f"{op}: config must be a SparseAttentionConfig, got {type(config).__name__}"
-        )
+    cfg = resolve_config(q, kv, d_v=d_v, config=config).config
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)
-    config_arg = config.to_json() if config is not None else ""
-    out, lse = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, config_arg)
-    return (out, lse) if return_lse else out
+    fields = tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+    out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *fields)
+    return (out, lse2 * LN2) if return_lse else out

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from dataclasses import dataclass
 
 from kernel_common import ConfigTable, KeyField, heads_bucket
@@ -12,39 +10,47 @@ from kernel_common import ConfigTable, KeyField, heads_bucket
 FORWARD_BACKENDS = ("tilelang", "flash_mla", "torch")
 BACKWARD_BACKENDS = ("tilelang", "torch")
 DKV_REDUCE_MODES = ("tma", "atomic")
-
-
-def _positive(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+_INT_FIELDS = (
+    "forward_block_i",
+    "forward_stages",
+    "backward_block_i",
+    "backward_stages",
+    "split_store",
+)
 
 
 @dataclass(frozen=True)
 class SparseAttentionConfig:
-    """How sparse attention runs: backends and the kernels' tiling.
+    """How sparse attention runs: backends and the kernels' tiling, every field explicit.
+
+    The defaults are the library's own TileLang kernels with a tiling that every head count and
+    width fits on Hopper, so ``SparseAttentionConfig(backward_block_i=64)`` changes one field and
+    nothing else; to change one field of the measured row instead, use
+    ``dataclasses.replace(resolve_config(q, kv).config, ...)``. CPU tensors always run the torch
+    reference, whatever the config says. A config the kernels cannot run for the given shapes is
+    refused with a ``ValueError`` naming the field, before anything is compiled or launched.
 
     Attributes:
-        forward_backend: ``"tilelang"`` (Hopper), ``"flash_mla"`` (optional FlashMLA sparse
-            prefill; falls back to tilelang/torch when not importable or the shape is outside
-            what it supports) or ``"torch"`` (the reference; always used for CPU tensors).
-        backward_backend: ``"tilelang"`` or ``"torch"``. Either takes the lse of either forward.
-        forward_block_i: keys per forward index block (16, 32 or 64; topk is padded to it).
-        forward_threads: threads per forward program (the TileLang kernel runs 384).
-        forward_stages: K/V shared-memory stages of the forward gather pipeline.
-        backward_block_i, backward_stages, split_store: backward tiling (keys per block, K/V
-            blocks in flight, d_v slices dKV is written in); None picks the kernel's default for
-            the head count.
-        dkv_reduce: how the backward adds dKV rows: ``"tma"`` bulk reduce-adds or ``"atomic"``
-            fp32 atomics.
+        forward_backend: ``"tilelang"`` (Hopper), ``"flash_mla"`` (FlashMLA's sparse prefill,
+            optional: where it is not importable or does not support the shape, the TileLang
+            forward runs on Hopper and the torch reference elsewhere) or ``"torch"``.
+        backward_backend: ``"tilelang"`` or ``"torch"``; either takes the lse of any forward.
+        forward_block_i: keys per forward index block, one of 16, 32, 64 (topk is padded to it).
+        forward_stages: K/V shared-memory stages of the forward's gather pipeline (>= 2).
+        backward_block_i: keys per backward block (a multiple of 16).
+        backward_stages: slots of the backward's K/V ring (>= 1).
+        split_store: slices of d_v in which the backward forms and writes the key gradient.
+        dkv_reduce: how the backward adds dKV rows: ``"tma"`` bulk reduce-adds staged in shared
+            memory, or ``"atomic"`` fp32 atomics straight from registers.
     """
 
-    forward_backend: str = "torch"
-    backward_backend: str = "torch"
+    forward_backend: str = "tilelang"
+    backward_backend: str = "tilelang"
     forward_block_i: int = 64
-    forward_threads: int = 384
     forward_stages: int = 2
-    backward_block_i: int | None = None
-    backward_stages: int | None = None
-    split_store: int | None = None
+    backward_block_i: int = 32
+    backward_stages: int = 1
+    split_store: int = 2
     dkv_reduce: str = "tma"
 
     def __post_init__(self) -> None:
@@ -58,34 +64,18 @@ class SparseAttentionConfig:
                     f"SparseAttentionConfig.{name} must be one of {allowed}, "
                     f"got {getattr(self, name)!r}"
                 )
-        for name in ("forward_block_i", "forward_threads", "forward_stages"):
+        for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not _positive(value):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"SparseAttentionConfig.{name} must be a positive int, got {value!r}"
                 )
-        for name in ("backward_block_i", "backward_stages", "split_store"):
-            value = getattr(self, name)
-            if value is not None and not _positive(value):
-                raise ValueError(
-                    f"SparseAttentionConfig.{name} must be a positive int or None, got {value!r}"
-                )
-        # Precomputed so that torch.compile reads an attribute instead of tracing json.dumps.
-        object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
-
-    def to_json(self) -> str:
-        return self._json
-
-    @staticmethod
-    @functools.cache
-    def from_json(text: str) -> SparseAttentionConfig:
-        return SparseAttentionConfig(**json.loads(text))
 
 
-TORCH_CONFIG = SparseAttentionConfig()
+TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="torch")
 
-# Hopper: the TileLang kernels. Backward tiling from benchmarks/sweep_sparse_backward.py on the
-# H200 (16k tokens, the benchmark's causal indices; results/sparse_backward_sweep.csv): from 32
+# Hopper: the TileLang kernels. Backward tiling from dsa_bench.sweep_backward on the H200 (16k
+# tokens, the benchmark's causal indices; benchmarks/results/sparse_backward_sweep.csv): from 32
 # heads up the program is alone on its SM, and fp32 atomics straight from registers beat the
 # staged bulk reduce-adds (60.6 vs 67.1 ms at 64 heads, 48.1 vs 58.8 at 32); at 8 and 16 heads
 # two programs share an SM and the bulk reduce-adds win (32 vs 36 ms). At 64 heads and D = 576,
@@ -94,28 +84,22 @@ TORCH_CONFIG = SparseAttentionConfig()
 # (results/tuning_topk_and_attn64.log). The 512-wide 64-head row keeps 32-key blocks: 64-key
 # blocks were checked there against the reference but not timed. The forward keeps its default
 # tiling at every head count.
-_HOPPER_SMALL = SparseAttentionConfig(forward_backend="tilelang", backward_backend="tilelang")
-_HOPPER_ATOMIC = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
-_HOPPER_32 = dataclasses.replace(
-    _HOPPER_ATOMIC, backward_block_i=32, backward_stages=1, split_store=4
-)
-_HOPPER_64_TAIL = dataclasses.replace(
-    _HOPPER_ATOMIC, backward_block_i=64, backward_stages=1, split_store=2
-)
+_HOPPER_SMALL = SparseAttentionConfig()
+_HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
+_HOPPER_32 = dataclasses.replace(_HOPPER_64, split_store=4)
+_HOPPER_64_TAIL = dataclasses.replace(_HOPPER_64, backward_block_i=64)
+_MEASURED = "measured H200 (backward sweep and dsa-bench, 16k tokens)"
 
 
 def _hopper(tail: bool, heads: int) -> tuple[SparseAttentionConfig, str]:
     """The Hopper row for (RoPE tail present, heads bucket) and where its tiling comes from."""
     if heads == 64:
-        config = _HOPPER_64_TAIL if tail else _HOPPER_ATOMIC
-        return config, "measured H200 (sweep_sparse_backward.py and dsa-bench, 16k tokens)"
+        return (_HOPPER_64_TAIL if tail else _HOPPER_64), _MEASURED
     config = _HOPPER_32 if heads == 32 else _HOPPER_SMALL
-    if tail:
-        return config, "measured H200 (sweep_sparse_backward.py and dsa-bench, 16k tokens)"
-    return config, "measured H200 at D=576; the 512-wide tiling follows it"
+    return config, _MEASURED if tail else "measured H200 at D=576; the 512-wide tiling follows it"
 
 
-# Blackwell: FlashMLA's sparse prefill where it is installed (else the torch backend), the
+# Blackwell: FlashMLA's sparse prefill where it is installed (else the torch reference), the
 # torch backward; no TileLang kernel here is built or measured for sm_100 yet.
 _BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend="torch")
 

@@ -2,7 +2,7 @@
 
 from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, tilelang_target
 from kernel_common.config import ConfigTable, KeyField, Lookup, heads_bucket, next_pow2
-from kernel_common.validate import check_int, check_tensor
+from kernel_common.validate import check_indices, check_int, check_tensor
 
 __all__ = [
     "ARCH_ENV",
@@ -10,6 +10,7 @@ __all__ = [
     "ConfigTable",
     "KeyField",
     "Lookup",
+    "check_indices",
     "check_int",
     "check_tensor",
     "device_arch",

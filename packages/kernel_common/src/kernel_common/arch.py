@@ -64,6 +64,10 @@ def parse_arch(text: str) -> Arch:
     )
 
 
+# torch.compile treats the answer as a constant of the traced graph: the public entries pick their
+# config from it while being traced, and tracing the regex and device queries inside would break
+# the graph. (A compiled graph keeps the arch it was traced with, as the device cannot change.)
+@torch.compiler.assume_constant_result
 def device_arch(device: torch.device | str | int | None = None) -> Arch:
     """The arch of ``device`` (default: the current CUDA device, else the CPU).
 

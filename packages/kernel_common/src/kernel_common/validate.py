@@ -54,3 +54,17 @@ def check_int(op: str, name: str, value: object, *, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_indices(op: str, name: str, indices: torch.Tensor, bound: int, bound_name: str) -> None:
+    """Raise ``ValueError`` if an entry of ``indices`` lies outside ``[-1, bound)``.
+
+    Reads the tensor back to the host, so only the torch references call it: the GPU kernels
+    treat such entries as padding instead, with no synchronisation.
+    """
+    bad = (indices < -1) | (indices >= bound)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{op}: {name} must lie in [-1, {bound_name}={bound}); "
+            f"found {int(bad.sum())} entries outside it"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from kernel_common import check_int, check_tensor
 
+from topk.config import TopkConfig, resolve_config
 from topk.reference import ranged_topk_reference
 
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -12,8 +13,18 @@ _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @torch.library.custom_op("topk::ranged_topk", mutates_args=())
 def _ranged_topk_op(
-    scores: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None
+    scores: torch.Tensor,
+    k: int,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor | None,
+    backend: str,
+    num_warps: int,
+    warps_per_sm: int,
+    reps: int,
+    prefetch: int,
 ) -> torch.Tensor:
+    # The resolved TopkConfig's fields in declaration order (custom ops take no dataclasses).
+    cfg = TopkConfig(backend, num_warps, warps_per_sm, reps, prefetch)
     lead, n = scores.shape[:-1], scores.shape[-1]
     flat = scores.reshape(-1, n)
     rows = flat.shape[0]
@@ -30,17 +41,18 @@ def _ranged_topk_op(
     # Ranges are clipped to the row so that no backend can be asked to read outside it.
     lo = lo.clamp(0, n)
     hi = hi.clamp(0, n)
-    if flat.is_cuda:
-        from topk._triton import ranged_topk_triton
+    if flat.is_cuda and cfg.backend == "triton":
+        from topk._triton import launch_plan, ranged_topk_triton
 
         # The kernel needs unit column stride (any row stride): copy only when that is missing.
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-        return ranged_topk_triton(flat, k, lo, hi).reshape(*lead, k)
+        launch = launch_plan(cfg, n, k)
+        return ranged_topk_triton(flat, k, lo, hi, launch).reshape(*lead, k)
     return ranged_topk_reference(flat, k, lo, hi).reshape(*lead, k)
 
 
 @_ranged_topk_op.register_fake
-def _(scores, k, starts, ends):
+def _(scores, k, starts, ends, *config):
     return scores.new_empty((*scores.shape[:-1], k), dtype=torch.int32)
 
 
@@ -49,6 +61,8 @@ def ranged_topk(
     k: int,
     starts: torch.Tensor | None = None,
     ends: torch.Tensor | None = None,
+    *,
+    config: TopkConfig | None = None,
 ) -> torch.Tensor:
     """Exact top-k column indices of each row of ``scores`` over its range ``[starts, ends)``.
 
@@ -58,6 +72,8 @@ def ranged_topk(
         k: number of indices per row, ``k >= 1`` (``k > N`` is allowed: the tail is -1).
         starts, ends: int32 ``[...]`` (the leading shape of ``scores``), half-open per row and
             clipped to ``[0, N]``; ``None`` means 0 and ``N``.
+        config: a :class:`TopkConfig`; default the measured per-arch table row
+            (:func:`topk.resolve_config` tells which).
 
     Returns:
         int32 ``[..., k]``: the columns of the k largest in-range values in ascending column
@@ -83,4 +99,6 @@ def ranged_topk(
                 layout=f"{lead} (scores.shape[:-1])",
                 device=scores.device,
             )
-    return _ranged_topk_op(scores, k, starts, ends)
+    cfg = resolve_config(scores, config).config
+    fields = (cfg.backend, cfg.num_warps, cfg.warps_per_sm, cfg.reps, cfg.prefetch)
+    return _ranged_topk_op(scores, k, starts, ends, *fields)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from dsa_indexer._triton._common import check_head_dim, interpreted
-from dsa_indexer.config import IndexerConfig, table_config
+from dsa_indexer.config import IndexerConfig
 
 # -inf tile of the fill path: about this many fp32 per store instruction batch.
 _FILL_ELEMENTS = 4096
@@ -123,7 +123,7 @@ def indexer_logits_triton(
     ends: torch.Tensor,
     clean: bool,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> torch.Tensor:
     """Indexer logits ``sum_h weights[t, h] * relu(q[t, h] . k[s])`` over each query's key range.
 
@@ -137,7 +137,7 @@ def indexer_logits_triton(
             columns outside the union of a query block's ranges are left unwritten (the output
             comes from ``torch.empty``); columns inside the union but outside a row's own range
             are -inf either way.
-        config: tiling (``logits_*`` fields); ``None`` takes the table row for q's device.
+        config: tiling (``logits_*`` fields).
 
     Returns:
         float32 ``[T, T_kv]``. Accumulation is fp32 over bf16 products on tensor cores. No host
@@ -157,14 +157,13 @@ def indexer_logits_into(
     ends: torch.Tensor,
     clean: bool,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> None:
     """:func:`indexer_logits_triton` into a contiguous float32 ``[T, T_kv]`` buffer ``out``.
 
     Entries the contract leaves unwritten keep their old value (tests poison ``out`` first).
     Allocates nothing but contiguous copies of non-contiguous inputs.
     """
-    cfg = config if config is not None else table_config(q.device, q.shape[1])
     t_q, heads, d = q.shape
     t_kv = k.shape[0]
     check_head_dim("indexer_logits_triton", d)
@@ -175,7 +174,7 @@ def indexer_logits_into(
     q = q.contiguous()
     k = k if k.stride(1) == 1 else k.contiguous()
     hp = triton.next_power_of_2(heads)
-    block_m = max(1, cfg.logits_block_rows // hp)
+    block_m = max(1, config.logits_block_rows // hp)
     _indexer_logits_kernel[(triton.cdiv(t_q, block_m),)](
         q,
         k,
@@ -190,10 +189,10 @@ def indexer_logits_into(
         D=d,
         HP=hp,
         BLOCK_M=block_m,
-        BLOCK_N=cfg.logits_block_n,
+        BLOCK_N=config.logits_block_n,
         FILL_N=max(16, _FILL_ELEMENTS // block_m),
         CLEAN=bool(clean),
         DOT_FP32=interpreted(q.device),
-        num_warps=cfg.logits_num_warps,
-        num_stages=cfg.logits_num_stages,
+        num_warps=config.logits_num_warps,
+        num_stages=config.logits_num_stages,
     )

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dsa_indexer._triton._common import check_head_dim, interpreted
-from dsa_indexer.config import IndexerConfig, table_config
+from dsa_indexer.config import IndexerConfig
 
 
 @triton.jit
@@ -309,7 +309,7 @@ def indexer_topk_scores_triton(
     weights: torch.Tensor,
     indices: torch.Tensor,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> torch.Tensor:
     """The indexer score at the selected key columns.
 
@@ -319,7 +319,7 @@ def indexer_topk_scores_triton(
         weights: float32 ``[T, H]``.
         indices: int32 ``[T, topk]``, any ``topk >= 1``; entries outside ``[0, T_kv)`` (the -1
             padding included) are padding and never read out of bounds.
-        config: tiling (``scores_*`` fields); ``None`` takes the table row for q's device.
+        config: tiling (``scores_*`` fields).
 
     Returns:
         float32 ``[T, topk]``: ``sum_h weights[t, h] * relu(q[t, h] . k[indices[t, j]])``,
@@ -337,11 +337,10 @@ def indexer_topk_scores_into(
     weights: torch.Tensor,
     indices: torch.Tensor,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> None:
     """:func:`indexer_topk_scores_triton` into a contiguous float32 ``[T, topk]`` buffer."""
     op = "indexer_topk_scores_triton"
-    cfg = config if config is not None else table_config(q.device, q.shape[1])
     q, k, weights, indices = _prepare(op, q, k, weights, indices)
     t_q, heads, d = q.shape
     topk = indices.shape[1]
@@ -360,10 +359,10 @@ def indexer_topk_scores_into(
         H=heads,
         D=d,
         HP=max(16, triton.next_power_of_2(heads)),
-        BLOCK_K=cfg.scores_block_k,
+        BLOCK_K=config.scores_block_k,
         DOT_FP32=interpreted(q.device),
-        num_warps=cfg.scores_num_warps,
-        num_stages=cfg.scores_num_stages,
+        num_warps=config.scores_num_warps,
+        num_stages=config.scores_num_stages,
     )
 
 
@@ -374,7 +373,7 @@ def indexer_topk_scores_backward_triton(
     weights: torch.Tensor,
     indices: torch.Tensor,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`indexer_topk_scores_triton` w.r.t. q, k and weights.
 
@@ -382,7 +381,7 @@ def indexer_topk_scores_backward_triton(
         grad: float32 ``[T, topk]``, the gradient of the scores (ignored at padding slots,
             whatever it holds there).
         q, k, weights, indices: as in :func:`indexer_topk_scores_triton`.
-        config: tiling (``backward_*`` fields); ``None`` takes the table row for q's device.
+        config: tiling (``backward_*`` fields).
 
     Returns:
         ``(dq, dk, dweights)``: bfloat16 ``[T, H, D]``, bfloat16 ``[T_kv, D]`` and float32
@@ -409,7 +408,7 @@ def topk_scores_backward_into(
     weights: torch.Tensor,
     indices: torch.Tensor,
     *,
-    config: IndexerConfig | None = None,
+    config: IndexerConfig,
 ) -> None:
     """The backward into caller buffers: every entry of ``dq`` (bf16 or float32 ``[T, H, D]``)
     and ``dw`` (float32 ``[T, H]``) is written; ``dk_acc`` (float32 ``[T_kv, D]``, zeroed by the
@@ -423,7 +422,6 @@ def topk_scores_backward_into(
     rounded once per pass that touches the query (rel_diff ~1e-6 each).
     """
     op = "indexer_topk_scores_backward_triton"
-    cfg = config if config is not None else table_config(q.device, q.shape[1])
     q, k, weights, indices = _prepare(op, q, k, weights, indices)
     grad = grad.contiguous()
     t_q, heads, d = q.shape
@@ -434,7 +432,7 @@ def topk_scores_backward_into(
     if t_q == 0:
         return
     t_kv = k.shape[0]
-    window = cfg.backward_key_window
+    window = config.backward_key_window
     windowed = 0 < window < t_kv
     step = window if windowed else max(t_kv, 1)
     # One launch at least, also without keys: the first pass writes every dq and dweights row.
@@ -455,13 +453,13 @@ def topk_scores_backward_into(
             H=heads,
             D=d,
             HP=max(16, triton.next_power_of_2(heads)),
-            BLOCK_K=cfg.backward_block_k,
-            ROTATE=cfg.backward_rotate,
+            BLOCK_K=config.backward_block_k,
+            ROTATE=config.backward_rotate,
             # A column block narrower than 16 is below the tensor-core minimum: no split there.
-            DK_SPLIT=cfg.backward_dk_split if d // cfg.backward_dk_split >= 16 else 1,
+            DK_SPLIT=config.backward_dk_split if d // config.backward_dk_split >= 16 else 1,
             WINDOWED=windowed,
             SCAN=1024,
             DOT_FP32=interpreted(q.device),
-            num_warps=cfg.backward_num_warps,
-            num_stages=cfg.backward_num_stages,
+            num_warps=config.backward_num_warps,
+            num_stages=config.backward_num_stages,
         )
