@@ -305,6 +305,94 @@ def indexer_topk_scores(
     return _topk_scores_op(q, k, weights, indices, *_config_fields(q, config))
 
 
+DEFAULT_LOGITS_BUDGET = 1 << 30
+"""Bytes of fp32 logits :func:`lightning_indexer` holds at once by default (1 GiB: 2048 query
+rows of 131072 keys; shorter inputs fit whole)."""
+
+# Query blocks are whole multiples of this many rows (when larger than it), so that a block
+# boundary never splits a group of queries that a logits program computes together.
+_BLOCK_ALIGN = 64
+
+
+def _block_rows(op: str, t_kv: int, budget: int) -> int:
+    """Query rows per logits block for a budget of ``budget`` bytes (fp32 logits)."""
+    row = 4 * t_kv
+    if budget < row:
+        raise ValueError(
+            f"{op}: logits_budget_bytes={budget} is below one row of logits "
+            f"(4 * T_kv = {row} bytes); pass at least {row}"
+        )
+    rows = budget // row
+    return rows if rows < _BLOCK_ALIGN else rows // _BLOCK_ALIGN * _BLOCK_ALIGN
+
+
+@torch.library.custom_op("dsa_indexer::lightning_indices", mutates_args=())
+def _lightning_indices_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    topk: int,
+    block_rows: int,
+    backend: str,
+    logits_block_rows: int,
+    logits_block_n: int,
+    logits_num_warps: int,
+    logits_num_stages: int,
+    scores_block_k: int,
+    scores_num_warps: int,
+    scores_num_stages: int,
+    backward_block_k: int,
+    backward_num_warps: int,
+    backward_num_stages: int,
+    backward_rotate: bool,
+    backward_dk_split: int,
+    backward_key_window: int,
+) -> torch.Tensor:
+    cfg = IndexerConfig(
+        backend,
+        logits_block_rows,
+        logits_block_n,
+        logits_num_warps,
+        logits_num_stages,
+        scores_block_k,
+        scores_num_warps,
+        scores_num_stages,
+        backward_block_k,
+        backward_num_warps,
+        backward_num_stages,
+        backward_rotate,
+        backward_dk_split,
+        backward_key_window,
+    )
+    t_q, t_kv = q.shape[0], k.shape[0]
+    indices = torch.empty(t_q, topk, dtype=torch.int32, device=q.device)
+    block = None
+    # One block of query rows at a time: its logits (unclean: the top-k reads only each row's
+    # range) and their top-k. The block buffer is reused, so the extra memory is one block,
+    # whatever T * T_kv is; every row's logits, and so its indices, are those of a whole pass.
+    for r0 in range(0, t_q, block_rows):
+        r1 = min(t_q, r0 + block_rows)
+        rows = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
+        if cfg.backend == "triton":
+            from dsa_indexer._triton.logits import indexer_logits_into
+
+            if block is None:
+                block = q.new_empty((min(block_rows, t_q), t_kv), dtype=torch.float32)
+            logits = block[: r1 - r0]
+            indexer_logits_into(logits, *rows, False, config=cfg)
+        else:
+            logits = reference.indexer_logits_reference(*rows)
+        indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
+    return indices
+
+
+@_lightning_indices_op.register_fake
+def _(q, k, weights, starts, ends, topk, block_rows, *config):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+
+
 def lightning_indexer(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,21 +401,29 @@ def lightning_indexer(
     ends: torch.Tensor,
     topk: int,
     *,
+    logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET,
     config: IndexerConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer logits -> exact ranged top-k -> differentiable scores, with no host sync.
+    """Indexer logits -> exact ranged top-k -> differentiable scores, in bounded memory.
 
-    Arguments as in :func:`indexer_logits`; ``topk >= 1``. Returns ``(scores, indices)``:
-    float32 ``[T, topk]`` (differentiable w.r.t. q, k, weights; -inf at padding) and int32
-    ``[T, topk]`` (ascending columns, -1 tail where a range holds fewer than ``topk`` keys).
-    The logits are computed unclean: the top-k never reads outside the ranges.
+    Arguments as in :func:`indexer_logits`; ``topk >= 1``. The logits are computed and reduced
+    to their top-k one block of query rows at a time, so at most ``logits_budget_bytes`` of
+    fp32 logits exist at once (default 1 GiB; at least one row, ``4 * T_kv`` bytes), never the
+    whole ``[T, T_kv]``: the extra memory does not grow with ``T * T_kv``. The indices are the
+    same as those of one pass over the whole logits. No host synchronisation (CUDA graphs and
+    ``torch.compile`` see one op).
+
+    Returns ``(scores, indices)``: float32 ``[T, topk]`` (differentiable w.r.t. q, k, weights;
+    -inf at padding) and int32 ``[T, topk]`` (ascending columns, -1 tail where a range holds
+    fewer than ``topk`` keys). The backward recomputes the scores at the indices
+    (:func:`indexer_topk_scores`), so it needs no logits either.
     """
     op = "lightning_indexer"
     _check_qkw(op, q, k, weights)
     _check_ranges(op, q, starts, ends)
     check_int(op, "topk", topk, minimum=1)
+    check_int(op, "logits_budget_bytes", logits_budget_bytes, minimum=1)
+    block_rows = _block_rows(op, k.shape[0], logits_budget_bytes)
     fields = _config_fields(q, config)
-    with torch.no_grad():
-        logits = _indexer_logits_op(q, k, weights, starts, ends, False, *fields)
-        indices = ranged_topk(logits, topk, starts, ends)
+    indices = _lightning_indices_op(q, k, weights, starts, ends, topk, block_rows, *fields)
     return _topk_scores_op(q, k, weights, indices, *fields), indices

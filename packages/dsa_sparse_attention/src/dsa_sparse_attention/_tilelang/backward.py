@@ -24,21 +24,26 @@ holds nearly all the weight) ``dP - delta`` cancels, so that rounding would domi
 program also sums ``P * dP`` over its keys, which is the same rowsum with the fp32 ``o``, and
 corrects dq (and the delta dsink reads) by the difference at the end.
 
-A small preprocess kernel computes ``rowsum(out * dout)`` in fp32. Folding ``dlse``
-into delta, the ``dsink`` reduction over (batch, query) rows, clamping the indices for the
-gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
+The main kernel (:func:`_build_main`) is a sequence of named macros: ``load_rows`` (q, dout,
+lse2 and delta of the program's heads), ``fill_ring`` (the first gathers), ``key_block`` per
+block (``block_scores``, ``accumulate_dq``, ``refill_slot``, then per column slice
+``key_gradient_slice`` and ``reduce_slice_tma`` / ``reduce_slice_atomic``) and ``refine``.
+
+A small preprocess kernel computes ``rowsum(out * dout)`` in fp32. Folding the lse gradient
+``dlse2`` into delta, the ``dsink`` reduction over (batch, query) rows, clamping the indices for
+the gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
 torch ops in the wrapper.
 
 Batch, query length and key length are dynamic symbols of every kernel, so new lengths reuse
 the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
-``functools.lru_cache`` behind :func:`compile_backward`.
+``functools.lru_cache`` behind :func:`compile_backward`. The tiling has no default here: it
+comes from the caller's ``SparseAttentionConfig``, and :func:`check_backward_config` rejects
+what these kernels cannot run before anything is compiled.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the
 # kernels, which name closure variables (shapes), so they must stay real expressions.
 import functools
-import json
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -47,10 +52,10 @@ import tilelang.language as T
 import torch
 import torch.nn.functional as F
 from kernel_common import device_arch, tilelang_target
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E, round_up
 
 from dsa_sparse_attention._tilelang._build import compile_kernel
-
-LOG2E = math.log2(math.e)
+from dsa_sparse_attention.config import DKV_REDUCE_MODES
 
 # Automatic warp specialisation stays off: the pipeline here is explicit (cp.async ring, bulk
 # reduce-adds issued by warp 0). The automatic bounds guards are off too: every access of the
@@ -62,8 +67,6 @@ _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
 }
-
-DKV_REDUCE_MODES = ("tma", "atomic")
 
 # One bulk reduce-add of `bytes` contiguous fp32 from shared to global memory, done by the TMA
 # engine (sm_90+); completion is tracked with bulk groups (commit / wait_group.read). The proxy
@@ -80,7 +83,7 @@ __device__ __forceinline__ void dsa_fence_proxy_async_shared() {
 """
 
 _STAGE_PAD = 4  # fp32 words of padding per staging row: rows start on different banks
-SHARED_MEMORY_LIMIT = 232448  # bytes of dynamic shared memory one sm_90 / sm_100 block may use
+_PREPROCESS_ROWS, _PREPROCESS_COLS = 32, 128  # the delta kernel's tile; d_v is whole tiles
 
 
 def head_block(heads_per_group: int) -> int:
@@ -93,20 +96,10 @@ def head_block(heads_per_group: int) -> int:
     return 16
 
 
-def default_threads(heads_per_group: int) -> int:
-    """Threads per program: 4 warps for a 16-row head block, 8 warps (two warpgroups) above."""
+def program_threads(heads_per_group: int) -> int:
+    """Threads per program, fixed by the head block: 4 warps for 16 head rows, 8 warps (two
+    warpgroups) above."""
     return 128 if head_block(heads_per_group) <= 16 else 256
-
-
-def default_tiling(heads_per_group: int) -> tuple[int, int, int]:
-    """(block_i, num_stages, split_store) that fit the shared memory of sm_90 for any D <= 576.
-
-    16-row head blocks keep the program at ~107 KB (two programs per SM hide each other's
-    gather); 32-row blocks have room for a two-deep K/V ring; 64-row blocks hold 139 KB of q and
-    dout, which leaves room for one K/V block.
-    """
-    block_h = head_block(heads_per_group)
-    return (32, 2, 2) if block_h == 32 else (32, 1, 2)
 
 
 def shared_memory_bytes(
@@ -117,16 +110,16 @@ def shared_memory_bytes(
     block_i: int,
     num_stages: int,
     split_store: int,
-    dkv_reduce: str = "tma",
+    dkv_reduce: str,
 ) -> int:
     """Dynamic shared memory of one program of the dq / dkv kernel, in bytes (an upper bound:
     every buffer is rounded up to the 1 KiB alignment of swizzled MMA operands)."""
     block_h = head_block(heads_per_group)
     slices = _column_slices(dim, d_v, split_store)
-    kib = lambda nbytes: -(-nbytes // 1024) * 1024
+    kib = lambda nbytes: round_up(nbytes, 1024)
     size = sum(kib(2 * block_h * w) for _, w in slices)  # q (bf16)
     size += sum(kib(2 * block_h * w) for c0, w in slices if c0 < d_v)  # dout (bf16)
-    size += sum(kib(2 * max(1, num_stages) * block_i * w) for _, w in slices)  # K/V ring
+    size += sum(kib(2 * num_stages * block_i * w) for _, w in slices)  # K/V ring
     size += 2 * kib(2 * block_h * block_i)  # P and dS (bf16)
     if dkv_reduce == "tma":
         widest = max(w for _, w in slices)
@@ -135,11 +128,8 @@ def shared_memory_bytes(
 
 
 def _column_slices(dim: int, d_v: int, split_store: int) -> list[tuple[int, int]]:
-    """(start, width) of the dkv column slices: d_v in `split_store` equal parts, then the tail."""
-    if d_v % split_store or (d_v // split_store) % 64:
-        raise ValueError(
-            f"split_store={split_store} must split d_v={d_v} into slices of a multiple of 64"
-        )
+    """(start, width) of the dkv column slices: d_v in `split_store` equal parts, then the tail
+    (``check_backward_config`` makes every width a multiple of 64)."""
     width = d_v // split_store
     slices = [(c * width, width) for c in range(split_store)]
     if dim > d_v:
@@ -147,11 +137,107 @@ def _column_slices(dim: int, d_v: int, split_store: int) -> list[tuple[int, int]
     return slices
 
 
+def check_backward_config(
+    heads: int,
+    groups: int,
+    dim: int,
+    d_v: int,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str,
+) -> None:
+    """Raise ValueError unless the backward kernels can run this configuration.
+
+    Static shape: ``heads`` = ``q.shape[2]``, ``groups`` = ``kv.shape[2]``, ``dim`` =
+    ``q.shape[-1]`` (d_v + RoPE tail), ``d_v``; tiling: ``block_i``, ``num_stages``,
+    ``split_store`` and ``dkv_reduce`` (``SparseAttentionConfig.backward_block_i``,
+    ``backward_stages``, ``split_store``, ``dkv_reduce``). Cheap, and called before anything is
+    compiled; each message names the argument or config field to change.
+    """
+    if heads < 1 or groups < 1 or heads % groups:
+        raise ValueError(
+            f"q.shape[2] = {heads} query heads must be a positive multiple of kv.shape[2] = "
+            f"{groups} kv groups"
+        )
+    hg = heads // groups
+    if hg > 128:
+        raise ValueError(
+            f"q.shape[2] // kv.shape[2] = {hg} query heads per kv group must be at most 128"
+        )
+    if d_v < _PREPROCESS_COLS or d_v % _PREPROCESS_COLS:
+        raise ValueError(
+            f"d_v = {d_v} must be a positive multiple of {_PREPROCESS_COLS} (the delta "
+            "kernel's column tile)"
+        )
+    if dim < d_v or (dim - d_v) % 64:
+        raise ValueError(
+            f"q.shape[-1] - d_v = {dim - d_v} (the RoPE tail) must be a non-negative multiple "
+            "of 64: the gather and the MMA tiles move 64 columns at a time"
+        )
+    if dkv_reduce not in DKV_REDUCE_MODES:
+        raise ValueError(
+            f"SparseAttentionConfig.dkv_reduce = {dkv_reduce!r} must be one of {DKV_REDUCE_MODES}"
+        )
+    if block_i < 16 or block_i % 16:
+        raise ValueError(
+            f"SparseAttentionConfig.backward_block_i = {block_i} must be a positive multiple "
+            "of 16 (the MMA tile of the key-gradient rows)"
+        )
+    block_h, threads = head_block(hg), program_threads(hg)
+    # Each warp computes at least one 16 x 8 tile of the block_h x block_i score block.
+    min_block_i = round_up(8 * (threads // 32) // (block_h // 16), 16)
+    if block_i < min_block_i:
+        raise ValueError(
+            f"SparseAttentionConfig.backward_block_i = {block_i} is too small for {hg} heads per "
+            f"group: the {threads // 32} warps of a {block_h}-row head block each need a 16 x 8 "
+            f"tile of the {block_h} x {block_i} score block; use at least {min_block_i}"
+        )
+    if dkv_reduce == "tma" and block_i > threads:
+        raise ValueError(
+            f"SparseAttentionConfig.backward_block_i = {block_i} must be at most {threads} with "
+            f"dkv_reduce='tma': each of the program's {threads} threads issues the bulk "
+            "reduce-add of one key row"
+        )
+    if num_stages < 1:
+        raise ValueError(
+            f"SparseAttentionConfig.backward_stages = {num_stages} must be >= 1 (slots of the "
+            "K/V ring)"
+        )
+    if split_store < 1 or d_v % split_store or (d_v // split_store) % 64:
+        raise ValueError(
+            f"SparseAttentionConfig.split_store = {split_store} must split d_v = {d_v} into "
+            "slices whose width is a multiple of 64"
+        )
+    smem = shared_memory_bytes(
+        hg,
+        dim,
+        d_v,
+        block_i=block_i,
+        num_stages=num_stages,
+        split_store=split_store,
+        dkv_reduce=dkv_reduce,
+    )
+    if smem > HOPPER_SMEM_PER_BLOCK:
+        # The tma mode's staging buffer is the one thing dkv_reduce='atomic' would drop.
+        fixes = "fewer backward_stages, a smaller backward_block_i" + (
+            ", more split_store or dkv_reduce='atomic'"
+            if dkv_reduce == "tma"
+            else " or more split_store"
+        )
+        raise ValueError(
+            f"SparseAttentionConfig.backward_block_i = {block_i}, backward_stages = "
+            f"{num_stages}, split_store = {split_store} and dkv_reduce = {dkv_reduce!r} need "
+            f"{smem} bytes of shared memory for {block_h} head rows at q.shape[-1] = {dim}, "
+            f"more than the {HOPPER_SMEM_PER_BLOCK} bytes a Hopper thread block can use; use "
+            f"{fixes}"
+        )
+
+
 def _build_preprocess(heads: int, d_v: int):
-    """delta[b, s, h] = sum_d out[b, s, h, d] * dout[b, s, h, d] in fp32."""
-    rows, cols = 32, 128
-    if d_v % cols:
-        raise ValueError(f"d_v={d_v} must be a multiple of {cols}")
+    """delta[b, s, h] = sum_d out[b, s, h, d] * dout[b, s, h, d] in fp32 (``d_v`` a multiple of
+    ``_PREPROCESS_COLS``)."""
+    rows, cols = _PREPROCESS_ROWS, _PREPROCESS_COLS
     batch, seq = T.dynamic("batch, seq_len")
 
     @T.prim_func
@@ -185,19 +271,28 @@ def _build_main(
     groups: int,
     dim: int,
     d_v: int,
-    topk: int,
+    topk_padded: int,
     block_i: int,
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
-    threads: int,
 ):
-    """The dq / dkv kernel (see the module docstring). `topk` is already a multiple of block_i."""
+    """The dq / dkv kernel (see the module docstring) for a configuration that passed
+    :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``.
+
+    Arguments: ``Q`` bf16 ``[B, S, H, D]``, ``KV`` bf16 ``[B, S_kv, G, D]``, ``Out`` / ``dO``
+    bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, topk_padded]`` (the padded
+    indices and the same clamped into ``[0, S_kv)``), ``Lse2`` / ``Dot`` / ``Delta`` fp32
+    ``[B, S, H]`` (log2 lse, ``rowsum(out * dout)``, the delta used for dS), outputs ``dQ`` bf16
+    ``[B, S, H, D]``, ``dKV`` fp32 ``[B, S_kv, G, D]`` (added to) and ``DeltaFix`` fp32
+    ``[B, S, H]``, then ``sm_scale``.
+    """
     hg = heads // groups
     block_h = head_block(hg)
+    threads = program_threads(hg)
     n_hc = -(-hg // block_h)  # head blocks per group
     bs = block_i
-    n_blocks = topk // bs
+    n_blocks = topk_padded // bs
     slices = _column_slices(dim, d_v, split_store)
     value_slices = [c for c, (c0, _) in enumerate(slices) if c0 < d_v]
     stage_w = max(w for _, w in slices) + _STAGE_PAD
@@ -205,13 +300,38 @@ def _build_main(
     has_tail = dim > d_v
     # K/V ring of `n_buf` slots: the fetch of block ib + n_buf starts as soon as block ib's
     # slot is free (after its dq MMA), so up to n_buf blocks are in flight or resident.
-    n_buf = max(1, num_stages)
+    n_buf = num_stages
     # Gather: 8 threads per key row, 16 bytes (8 bf16) per cp.async; one index load per row.
     rows_per_pass = threads // 8
     # (Python loops over lists unroll at trace time; a `range` loop would become a TIR loop.)
     gather_passes = [*range(-(-bs // rows_per_pass))]
     ring = [*range(n_buf)]
     batch, seq, seq_kv = T.dynamic("batch, seq_len, seq_len_kv")
+
+    # Macros cannot see the kernel's locals: they take its buffers and indices in one namespace
+    # `e`. Head rows at or past `e.n_real` are padding of a partial head block.
+
+    @T.macro
+    def load_rows(e):
+        """The program's q and dout rows into shared memory (per column slice), its lse2 and
+        delta into registers, and zeroed accumulators."""
+        # Padded head rows load as zeros: their P is forced to 0, so they add nothing.
+        for c, (c0, w) in enumerate(slices):
+            for h, d in T.Parallel(block_h, w):
+                e.q_s[c][h, d] = T.if_then_else(
+                    h < e.n_real, e.Q[e.b, e.s, e.h0 + h, c0 + d], T.cast(0, T.bfloat16)
+                )
+        for j, c in enumerate(value_slices):
+            c0, w = slices[c]
+            for h, d in T.Parallel(block_h, w):
+                e.do_s[j][h, d] = T.if_then_else(
+                    h < e.n_real, e.dO[e.b, e.s, e.h0 + h, c0 + d], T.cast(0, T.bfloat16)
+                )
+        for h in T.Parallel(block_h):
+            e.lse_f[h] = T.if_then_else(h < e.n_real, e.Lse2[e.b, e.s, e.h0 + h], 0.0)
+            e.delta_f[h] = T.if_then_else(h < e.n_real, e.Delta[e.b, e.s, e.h0 + h], 0.0)
+        for acc in [*e.acc_dq, e.acc_pdp, *([e.acc_pk] if has_tail else [])]:
+            T.clear(acc)
 
     @T.macro
     def gather(e, ib, buf):
@@ -234,16 +354,22 @@ def _build_main(
                         )
 
     @T.macro
-    def key_block(e, ib, buf):
-        """All work of key block `ib`, whose K/V rows were fetched into ring slot `buf`."""
+    def fill_ring(e):
+        """Start the gathers of the first `n_buf` blocks, one cp.async group per ring slot."""
+        for j in ring:
+            if j < n_blocks:
+                gather(e, j, j)
+            T.ptx_commit_group()
+
+    @T.macro
+    def block_scores(e, ib, kv):
+        """Wait for block `ib` (rows `kv`), then P and dS for all heads into `p_s` / `ds_s`."""
         T.ptx_wait_group(n_buf - 1)  # this thread's copies of block ib have landed ...
         for r in T.Parallel(bs):
             e.valid[r] = (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
                 e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
             )
         T.sync_threads()  # ... and everyone else's
-        kv = [kv_c[buf : buf + 1, :, :] for kv_c in e.kv_s]
-
         for c, q_c in enumerate(e.q_s):
             T.gemm(q_c, kv[c], e.acc_s, transpose_B=True, clear_accum=c == 0)
         for j, c in enumerate(value_slices):
@@ -261,84 +387,117 @@ def _build_main(
             e.acc_dp[h, r] = e.acc_s[h, r] * (e.acc_dp[h, r] - e.delta_f[h]) * e.sm_scale
         T.copy(e.acc_s, e.p_s)
         T.copy(e.acc_dp, e.ds_s)
+
+    @T.macro
+    def accumulate_dq(e, kv):
+        """dq += dS K over the block's rows `kv` (and sum_j P_j K_j over the RoPE tail)."""
         for c, acc in enumerate(e.acc_dq):
             T.gemm(e.ds_s, kv[c], acc)
         if has_tail:
             T.gemm(e.p_s, kv[-1], e.acc_pk)  # sum_j P_j K_j over the RoPE tail columns
 
-        # Slot `buf` is read for the last time above: refill it with block ib + n_buf now, so
-        # that the fetch overlaps this block's key-gradient work (even with a single slot).
+    @T.macro
+    def refill_slot(e, ib, buf):
+        """Slot `buf` is read for the last time: start the gather of block ib + n_buf into it."""
+        # Right after the last read, so that the fetch overlaps this block's key-gradient work
+        # (even with a single slot).
         T.sync_threads()
         if ib + n_buf < n_blocks:
             gather(e, ib + n_buf, buf)
         T.ptx_commit_group()  # one group per block, possibly empty, keeps the counts exact
 
-        for c, (c0, w) in enumerate(slices):
-            # Key gradient of this slice, summed over the program's heads.
-            T.gemm(e.ds_s, e.q_s[c], e.acc_kv[c], transpose_A=True, clear_accum=True)
-            if c0 < d_v:
-                T.gemm(e.p_s, e.do_s[value_slices.index(c)], e.acc_kv[c], transpose_A=True)
-            if use_tma:
-                # The bulk reads of the previous slice (issued by warp 0; other threads have no
-                # bulk group and pass at once) must be done before the staging buffer is
-                # overwritten; they overlapped the MMAs above.
-                T.tma_store_wait(0)
-                T.sync_threads()
-                for r, d in T.Parallel(bs, w):
-                    e.stage[r, d] = e.acc_kv[c][r, d]
-                # Make the generic-proxy stores visible to the TMA (async proxy) reads.
-                T.call_extern("handle", "dsa_fence_proxy_async_shared")
-                T.sync_threads()
-                if e.tx < bs:
-                    row = e.Idx[e.b, e.s, e.g, ib * bs + e.tx]
-                    if (row >= 0) & (row < seq_kv):
-                        T.call_extern(
-                            "handle",
-                            "dsa_bulk_reduce_add_f32",
-                            T.address_of(e.dKV[e.b, row, e.g, c0]),
-                            T.address_of(e.stage[e.tx, 0]),
-                            w * 4,
-                        )
-                    T.tma_store_arrive()
-            else:
-                for r, d in T.Parallel(bs, w):
-                    if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
-                        e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
-                    ):
-                        T.atomic_add(
-                            e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
-                            e.acc_kv[c][r, d],
-                        )
+    @T.macro
+    def key_gradient_slice(e, c):
+        """Column slice `c` of the block's key gradient, summed over the program's heads:
+        ``acc_kv[c] = dS^T q (+ P^T do over the value columns)``."""
+        c0, _ = slices[c]
+        T.gemm(e.ds_s, e.q_s[c], e.acc_kv[c], transpose_A=True, clear_accum=True)
+        if c0 < d_v:
+            T.gemm(e.p_s, e.do_s[value_slices.index(c)], e.acc_kv[c], transpose_A=True)
 
     @T.macro
-    def refine(b_i, s_i, h0, n_real, sm_scale, Out, Dot, Delta, dQ, DeltaFix, e):
+    def reduce_slice_tma(e, ib, c):
+        """Add slice `c` to dKV with one bulk reduce-add per valid key row of block `ib`, staged
+        through shared memory and issued by thread `row`."""
+        c0, w = slices[c]
+        # The bulk reads of the previous slice (issued by warp 0; other threads have no bulk
+        # group and pass at once) must be done before the staging buffer is overwritten; they
+        # overlapped the MMAs of this slice.
+        T.tma_store_wait(0)
+        T.sync_threads()
+        for r, d in T.Parallel(bs, w):
+            e.stage[r, d] = e.acc_kv[c][r, d]
+        # Make the generic-proxy stores visible to the TMA (async proxy) reads.
+        T.call_extern("handle", "dsa_fence_proxy_async_shared")
+        T.sync_threads()
+        if e.tx < bs:
+            row = e.Idx[e.b, e.s, e.g, ib * bs + e.tx]
+            if (row >= 0) & (row < seq_kv):
+                T.call_extern(
+                    "handle",
+                    "dsa_bulk_reduce_add_f32",
+                    T.address_of(e.dKV[e.b, row, e.g, c0]),
+                    T.address_of(e.stage[e.tx, 0]),
+                    w * 4,
+                )
+            T.tma_store_arrive()
+
+    @T.macro
+    def reduce_slice_atomic(e, ib, c):
+        """Add slice `c` to dKV with vectorised fp32 atomics from registers (valid rows only)."""
+        c0, w = slices[c]
+        for r, d in T.Parallel(bs, w):
+            if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
+                e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
+            ):
+                T.atomic_add(
+                    e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
+                    e.acc_kv[c][r, d],
+                )
+
+    @T.macro
+    def key_block(e, ib, buf):
+        """All work of key block `ib`, whose K/V rows were fetched into ring slot `buf`."""
+        kv = [kv_c[buf : buf + 1, :, :] for kv_c in e.kv_s]
+        block_scores(e, ib, kv)
+        accumulate_dq(e, kv)
+        refill_slot(e, ib, buf)
+        for c, _ in enumerate(slices):
+            key_gradient_slice(e, c)
+            if use_tma:
+                reduce_slice_tma(e, ib, c)
+            else:
+                reduce_slice_atomic(e, ib, c)
+
+    @T.macro
+    def refine(e):
         """Correct for the bf16 rounding of ``out`` in delta, then write dq and the exact delta.
 
-        The pass used ``delta = rowsum(out * do) - dlse`` from the bf16 ``out``; where the
-        attention is peaked, ``dP - delta`` cancels and that rounding dominates dS. The exact
-        delta differs by ``err = sum_j P_j dP_j - rowsum(out * do)``, which changes dS by
-        ``-P * err`` and so dq by ``-scale * err * sum_j P_j K_j``: that sum is ``out`` over the
-        value columns (K = V there; the correction is already second order in the rounding)
-        and ``acc_pk`` over the RoPE tail. dkv keeps the per-block dS: each key sums many
-        queries' terms, which averages the rounding out. ``DeltaFix`` gets the exact delta
-        (dsink reads it).
+        The block pass used the wrapper's ``Delta`` (``rowsum(out * do)`` from the bf16 ``out``,
+        minus the lse gradient); where the attention is peaked, ``dP - delta`` cancels and that
+        rounding dominates dS. The exact delta differs by
+        ``err = sum_j P_j dP_j - rowsum(out * do)``, which changes dS by ``-P * err`` and so dq
+        by ``-scale * err * sum_j P_j K_j``: that sum is ``out`` over the value columns (K = V
+        there; the correction is already second order in the rounding) and ``acc_pk`` over the
+        RoPE tail. dkv keeps the per-block dS: each key sums many queries' terms, which averages
+        the rounding out. ``DeltaFix`` gets the exact delta (dsink reads it).
         """
         T.reduce_sum(e.acc_pdp, e.err_f, dim=1)
         for h in T.Parallel(block_h):
-            e.err_f[h] = T.if_then_else(h < n_real, e.err_f[h] - Dot[b_i, s_i, h0 + h], 0.0)
+            e.err_f[h] = T.if_then_else(h < e.n_real, e.err_f[h] - e.Dot[e.b, e.s, e.h0 + h], 0.0)
         for h in T.Parallel(block_h):
-            if h < n_real:
-                DeltaFix[b_i, s_i, h0 + h] = Delta[b_i, s_i, h0 + h] + e.err_f[h]
+            if h < e.n_real:
+                e.DeltaFix[e.b, e.s, e.h0 + h] = e.Delta[e.b, e.s, e.h0 + h] + e.err_f[h]
         for c, (c0, w) in enumerate(slices):
             for h, d in T.Parallel(block_h, w):
-                if h < n_real:
+                if h < e.n_real:
                     pk = (
-                        T.cast(Out[b_i, s_i, h0 + h, c0 + d], T.float32)
+                        T.cast(e.Out[e.b, e.s, e.h0 + h, c0 + d], T.float32)
                         if c0 < d_v
                         else e.acc_pk[h, d]
                     )
-                    dQ[b_i, s_i, h0 + h, c0 + d] = T.cast(
-                        e.acc_dq[c][h, d] - sm_scale * e.err_f[h] * pk, T.bfloat16
+                    e.dQ[e.b, e.s, e.h0 + h, c0 + d] = T.cast(
+                        e.acc_dq[c][h, d] - e.sm_scale * e.err_f[h] * pk, T.bfloat16
                     )
 
     @T.prim_func
@@ -347,8 +506,8 @@ def _build_main(
         KV: T.Tensor((batch, seq_kv, groups, dim), T.bfloat16),
         Out: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
         dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
-        Idx: T.Tensor((batch, seq, groups, topk), T.int32),
-        IdxC: T.Tensor((batch, seq, groups, topk), T.int32),
+        Idx: T.Tensor((batch, seq, groups, topk_padded), T.int32),
+        IdxC: T.Tensor((batch, seq, groups, topk_padded), T.int32),
         Lse2: T.Tensor((batch, seq, heads), T.float32),
         Dot: T.Tensor((batch, seq, heads), T.float32),
         Delta: T.Tensor((batch, seq, heads), T.float32),
@@ -383,34 +542,25 @@ def _build_main(
             acc_dq = [T.alloc_fragment((block_h, w), T.float32) for _, w in slices]
             acc_kv = [T.alloc_fragment((bs, w), T.float32) for _, w in slices]
             stage = T.alloc_shared((bs, stage_w), T.float32) if use_tma else None
-
-            # Padded head rows load as zeros: their P is forced to 0, so they add nothing.
-            for c, (c0, w) in enumerate(slices):
-                for h, d in T.Parallel(block_h, w):
-                    q_s[c][h, d] = T.if_then_else(
-                        h < n_real, Q[b_i, s_i, h0 + h, c0 + d], T.cast(0, T.bfloat16)
-                    )
-            for j, c in enumerate(value_slices):
-                c0, w = slices[c]
-                for h, d in T.Parallel(block_h, w):
-                    do_s[j][h, d] = T.if_then_else(
-                        h < n_real, dO[b_i, s_i, h0 + h, c0 + d], T.cast(0, T.bfloat16)
-                    )
-            for h in T.Parallel(block_h):
-                lse_f[h] = T.if_then_else(h < n_real, Lse2[b_i, s_i, h0 + h], 0.0)
-                delta_f[h] = T.if_then_else(h < n_real, Delta[b_i, s_i, h0 + h], 0.0)
-            for acc in [*acc_dq, acc_pdp, *([acc_pk] if has_tail else [])]:
-                T.clear(acc)
             e = SimpleNamespace(
+                Q=Q,
                 KV=KV,
+                Out=Out,
+                dO=dO,
                 Idx=Idx,
                 IdxC=IdxC,
+                Lse2=Lse2,
+                Dot=Dot,
+                Delta=Delta,
+                dQ=dQ,
                 dKV=dKV,
+                DeltaFix=DeltaFix,
                 sm_scale=sm_scale,
                 scale_log2=sm_scale * LOG2E,
                 b=b_i,
                 s=s_i,
                 g=g,
+                h0=h0,
                 n_real=n_real,
                 tx=T.get_thread_binding(),
                 q_s=q_s,
@@ -431,18 +581,15 @@ def _build_main(
                 stage=stage,
             )
 
-            for j in ring:
-                if j < n_blocks:
-                    gather(e, j, j)
-                T.ptx_commit_group()
+            load_rows(e)
+            fill_ring(e)
             for ib in T.serial(n_blocks):
                 key_block(e, ib, ib % n_buf)
-
             if use_tma:
                 # Shared memory must outlive the last bulk reads: wait for full completion
                 # (threads that issued none return at once).
                 T.tma_store_wait(0, False)
-            refine(b_i, s_i, h0, n_real, sm_scale, Out, Dot, Delta, dQ, DeltaFix, e)
+            refine(e)
 
     return main
 
@@ -457,25 +604,20 @@ class BackwardKernels:
     topk_padded: int
 
 
-def _target_key(target: dict | str | None) -> str:
-    """A hashable, canonical form of a TileLang target (default: the current device's)."""
-    if target is None:
-        target = tilelang_target(device_arch())
-    if isinstance(target, str):
-        target = {"kind": "cuda", "arch": target}
-    return json.dumps(dict(target), sort_keys=True)
-
-
 @functools.lru_cache(maxsize=None)
 def _compile_preprocess(heads: int, d_v: int, target: str) -> tilelang.JITKernel:
     # Default pass configs: the automatic bounds guards cover the ragged last row block.
-    return compile_kernel(lambda: _build_preprocess(heads, d_v), target=json.loads(target))
+    return compile_kernel(
+        lambda: _build_preprocess(heads, d_v), target={"kind": "cuda", "arch": target}
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_main(*static: object, target: str) -> tilelang.JITKernel:
     return compile_kernel(
-        lambda: _build_main(*static), target=json.loads(target), pass_configs=_PASS_CONFIGS
+        lambda: _build_main(*static),
+        target={"kind": "cuda", "arch": target},
+        pass_configs=_PASS_CONFIGS,
     )
 
 
@@ -486,12 +628,11 @@ def compile_backward(
     d_v: int,
     topk: int,
     *,
-    block_i: int | None = None,
-    num_stages: int | None = None,
-    split_store: int | None = None,
-    dkv_reduce: str = "tma",
-    threads: int | None = None,
-    target: dict | str | None = None,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str,
+    target: str,
 ) -> BackwardKernels:
     """Compile (or fetch from the in-process cache) the kernels of one static configuration.
 
@@ -501,61 +642,24 @@ def compile_backward(
         dim: q/kv width D = ``d_v`` + RoPE tail; d_v: value width. Both the value width split
             in ``split_store`` slices and the tail must be multiples of 64 columns.
         topk: indices per query row (padded up to a multiple of ``block_i`` with -1).
-        block_i: keys per block, a multiple of 16.
-        num_stages: slots of the K/V ring. Block i + n is fetched into block i's slot right
-            after block i's dq MMA, so n = 1 already overlaps the fetch with the key-gradient
-            work and n > 1 prefetches further ahead.
+        block_i: keys per block, a multiple of 16 (``SparseAttentionConfig.backward_block_i``).
+        num_stages: slots of the K/V ring (``SparseAttentionConfig.backward_stages``). Block
+            i + n is fetched into block i's slot right after block i's dq MMA, so n = 1 already
+            overlaps the fetch with the key-gradient work and n > 1 prefetches further ahead.
         split_store: slices of d_v the key gradient is computed and written in.
         dkv_reduce: ``"tma"`` (one bulk reduce-add per valid key row and slice) or
             ``"atomic"`` (vectorised fp32 atomics from registers).
-        threads: threads per program, default :func:`default_threads`.
-        target: a TileLang target (dict, or an arch string such as ``"sm_90a"``), default the
-            current device's. Compiling needs nvcc, not a GPU.
+        target: the CUDA arch to compile for, e.g. ``"sm_90a"``. Compiling needs nvcc, not a
+            GPU.
 
-    ``block_i``, ``num_stages`` and ``split_store`` default to :func:`default_tiling`. Batch,
+    Raises ValueError (see :func:`check_backward_config`) before compiling anything the kernels
+    cannot run. Threads per program follow the head count (:func:`program_threads`). Batch,
     query and key lengths are not parameters: the kernels take them at run time.
     """
-    if groups < 1 or heads % groups:
-        raise ValueError(f"heads={heads} must be a multiple of groups={groups}")
-    hg = heads // groups
-    if not 1 <= hg <= 128:
-        raise ValueError(f"heads per group must be in [1, 128], got {hg}")
-    tiling = default_tiling(hg)
-    block_i = block_i or tiling[0]
-    num_stages = num_stages or tiling[1]
-    split_store = split_store or tiling[2]
-    threads = threads or default_threads(hg)
-    if block_i % 16:
-        raise ValueError(f"block_i={block_i} must be a positive multiple of 16")
-    if dim < d_v or (dim - d_v) % 64:
-        raise ValueError(f"the RoPE tail D - d_v = {dim - d_v} must be a multiple of 64")
-    if dkv_reduce not in DKV_REDUCE_MODES:
-        raise ValueError(f"dkv_reduce must be one of {DKV_REDUCE_MODES}, got {dkv_reduce!r}")
-    if threads % 128 or threads // 32 > head_block(hg) // 16 * (block_i // 8):
-        raise ValueError(
-            f"threads={threads} must be a multiple of 128 and at most 32 * {head_block(hg) // 16}"
-            f" * block_i / 8 (each warp needs a 16 x 8 tile of the {head_block(hg)} x "
-            f"{block_i} score block)"
-        )
-    smem = shared_memory_bytes(
-        hg,
-        dim,
-        d_v,
-        block_i=block_i,
-        num_stages=num_stages,
-        split_store=split_store,
-        dkv_reduce=dkv_reduce,
-    )
-    if smem > SHARED_MEMORY_LIMIT:
-        raise ValueError(
-            f"block_i={block_i}, num_stages={num_stages}, split_store={split_store} need "
-            f"{smem} bytes of shared memory for {head_block(hg)} head rows and D={dim} "
-            f"(limit {SHARED_MEMORY_LIMIT}); use fewer stages or more slices"
-        )
-    topk_padded = -(-topk // block_i) * block_i
-    key = _target_key(target)
+    check_backward_config(heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce)
+    topk_padded = round_up(topk, block_i)
     return BackwardKernels(
-        preprocess=_compile_preprocess(heads, d_v, key),
+        preprocess=_compile_preprocess(heads, d_v, target),
         main=_compile_main(
             heads,
             groups,
@@ -566,8 +670,7 @@ def compile_backward(
             num_stages,
             split_store,
             dkv_reduce,
-            threads,
-            target=key,
+            target=target,
         ),
         topk_padded=topk_padded,
     )
@@ -581,7 +684,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def sparse_attention_backward_tilelang(
     dout: torch.Tensor,
-    dlse: torch.Tensor | None,
+    dlse2: torch.Tensor | None,
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
@@ -591,17 +694,17 @@ def sparse_attention_backward_tilelang(
     sm_scale: float,
     d_v: int,
     *,
-    block_i: int | None = None,
-    num_stages: int | None = None,
-    split_store: int | None = None,
-    dkv_reduce: str = "tma",
-    threads: int | None = None,
+    block_i: int,
+    num_stages: int,
+    split_store: int,
+    dkv_reduce: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of sparse attention w.r.t. q, kv and the sink (CUDA tensors, no host sync).
 
     Args:
         dout: bfloat16 ``[B, S, H, d_v]``, gradient of the output.
-        dlse: float32 ``[B, S, H]`` or None, gradient reaching the natural-log lse output.
+        dlse2: float32 ``[B, S, H]`` or None, gradient w.r.t. the log2-space lse output
+            ``lse2`` (the natural-log lse's gradient is ``dlse2 * log2(e)``).
         q: bfloat16 ``[B, S, H, D]``; kv: bfloat16 ``[B, S_kv, G, D]`` (K = the whole row, V its
             first ``d_v`` columns); head ``h`` reads group ``h // (H // G)``.
         indices: int32 ``[B, S, G, topk]``, any topk >= 1; -1 and any value outside
@@ -611,8 +714,7 @@ def sparse_attention_backward_tilelang(
             (natural lse / ln 2; -inf for a row with no valid index and no sink).
         attn_sink: float32 ``[H]`` or None.
         sm_scale: softmax scale of the logits; d_v: value width.
-        block_i, num_stages, split_store, dkv_reduce, threads: tiling, see
-            :func:`compile_backward` (None: :func:`default_tiling`).
+        block_i, num_stages, split_store, dkv_reduce: tiling, see :func:`compile_backward`.
 
     Returns:
         ``dq`` bfloat16 ``[B, S, H, D]``, ``dkv`` bfloat16 ``[B, S_kv, G, D]`` (accumulated in
@@ -635,8 +737,7 @@ def sparse_attention_backward_tilelang(
             num_stages=num_stages,
             split_store=split_store,
             dkv_reduce=dkv_reduce,
-            threads=threads,
-            target=tilelang_target(device_arch(q.device)),
+            target=tilelang_target(device_arch(q.device))["arch"],
         )
         pad = kernels.topk_padded - indices.shape[-1]
         idx = _aligned(F.pad(indices, (0, pad), value=-1) if pad else indices)
@@ -648,8 +749,9 @@ def sparse_attention_backward_tilelang(
         kernels.preprocess(out, dout, dot)
     else:
         dot = (out.float() * dout.float()).sum(-1)  # only dsink reads it
-    # d lse / d s_j = p_j, so the lse gradient folds into delta.
-    delta = dot - dlse if dlse is not None else dot
+    # d lse / d s_j = p_j, so the lse gradient folds into delta; lse2 = lse * log2(e), so the
+    # natural-log lse receives dlse2 * log2(e).
+    delta = dot - dlse2 * LOG2E if dlse2 is not None else dot
     if launch:
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out

@@ -2,17 +2,19 @@
 
 One program handles one query, one kv group and a block of 64 query heads (``HB``, the wgmma M
 of a warpgroup): the Q tile ``[64, D]`` stays in shared memory while the program walks the
-query's indices in blocks of ``block_i`` keys. Three warpgroups split the work:
+query's indices in blocks of ``block_i`` keys. Three warpgroups split the work, each one macro of
+:func:`build_forward`:
 
-* warpgroup 2 (producer) gathers each block's K/V rows into one of ``num_stages`` shared-memory
-  stages with 16-byte ``cp.async`` copies (8 threads per row, so every warp instruction moves
-  four 128-byte row segments), loads the next block's indices while those copies fly, and writes
-  the block's validity mask;
-* warpgroup 0 computes ``S = Q K^T`` (wgmma), the online softmax in log2 space, publishes ``P``
-  (bf16) and the rescale factor through shared memory and accumulates ``O[:, :d_v/2] += P V``
-  with ``P`` taken straight from registers;
-* warpgroup 1 rescales and accumulates the other half, ``O[:, d_v/2:] += P V``, from the shared
-  ``P``.
+* warpgroup 2 (``gather_warpgroup``, the producer) gathers each block's K/V rows into one of
+  ``num_stages`` shared-memory stages with 16-byte ``cp.async`` copies (8 threads per row, so
+  every warp instruction moves four 128-byte row segments), loads the next block's indices while
+  those copies fly, and writes the block's validity mask;
+* warpgroup 0 (``score_warpgroup``) loads Q, computes ``S = Q K^T`` (wgmma), the online softmax
+  in log2 space, publishes ``P`` (bf16) and the rescale factor through shared memory and
+  accumulates ``O[:, :d_v/2] += P V`` with ``P`` taken straight from registers; at the end it
+  finishes the softmax and writes ``Lse`` and its half of ``Out``;
+* warpgroup 1 (``value_warpgroup``) rescales and accumulates the other half,
+  ``O[:, d_v/2:] += P V``, from the shared ``P``, and writes that half of ``Out``.
 
 The 64 x 512 fp32 accumulator is thus split over two warpgroups (128 registers per thread each).
 
@@ -44,6 +46,10 @@ the static ``topk_padded``) are invalid too. Every row is gathered from
 ``clamp(i, 0, S_kv - 1)`` (one clamp per row when its index is loaded, none in the copy loop), so
 nothing is read out of bounds and the gathered values are finite; the mask makes invalid scores
 ``-inf``, i.e. probability 0.
+
+The tiling (``block_i``, ``num_stages``) has no default here: it comes from the caller's
+``SparseAttentionConfig``, and :func:`check_forward_config` rejects what this kernel cannot run
+before anything is compiled.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations, which
@@ -55,16 +61,15 @@ import tilelang
 import tilelang.language as T
 import torch
 from kernel_common import device_arch, tilelang_target
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E, round_up
 
 from dsa_sparse_attention._tilelang._build import compile_kernel
 
-LOG2E = 1.4426950408889634
 HB = 64  # query heads per program: the wgmma M of one warpgroup
 THREADS = 384  # consumer warpgroups 0 and 1, producer warpgroup 2
 BLOCK_I_CHOICES = (16, 32, 64)  # the producer's 16-row passes; wgmma N of S = Q K^T
 _PRODUCER_ROWS = 16  # rows one producer pass covers: 128 threads, 8 per row
 _M_INIT = -1e30  # running max (log2 units) start: finite, so -inf - -inf never happens
-SMEM_LIMIT = 227 * 1024  # Hopper's opt-in dynamic shared memory per block
 
 # Manual warp specialisation: TileLang must not add a producer/consumer split of its own. (No
 # T.copy touches global memory, so none can become TMA.) The aggressive shared-memory merge is
@@ -101,27 +106,48 @@ def shared_memory_bytes(dim: int, block_i: int, num_stages: int) -> int:
     return 2 * (HB * dim + num_stages * block_i * dim + HB * block_i) + 4 * 2 * HB + 1024
 
 
-def check_config(
-    heads: int, groups: int, dim: int, d_v: int, topk_padded: int, block_i: int, num_stages: int
+def check_forward_config(
+    heads: int, groups: int, dim: int, d_v: int, block_i: int, num_stages: int
 ) -> None:
-    """Raise ValueError unless the static configuration is one the kernel supports."""
-    if groups < 1 or heads < 1 or heads % groups != 0:
-        raise ValueError(f"heads={heads} must be a positive multiple of groups={groups}")
-    if d_v < 128 or d_v % 128 != 0:
-        raise ValueError(f"d_v={d_v} must be a positive multiple of 128 (two 64-wide halves)")
-    if dim < d_v or (dim - d_v) % 64 != 0:
-        raise ValueError(f"D - d_v = {dim - d_v} must be a non-negative multiple of 64")
-    if block_i not in BLOCK_I_CHOICES:
-        raise ValueError(f"block_i={block_i} must be one of {BLOCK_I_CHOICES}")
-    if num_stages < 2:
-        raise ValueError(f"num_stages={num_stages} must be >= 2 (gather and compute overlap)")
-    if topk_padded < block_i or topk_padded % block_i != 0:
-        raise ValueError(f"topk_padded={topk_padded} must be a positive multiple of {block_i}")
-    smem = shared_memory_bytes(dim, block_i, num_stages)
-    if smem > SMEM_LIMIT:
+    """Raise ValueError unless the forward kernel can run this configuration.
+
+    Static shape: ``heads`` = ``q.shape[2]``, ``groups`` = ``kv.shape[2]``, ``dim`` =
+    ``q.shape[-1]`` (d_v + RoPE tail), ``d_v``; tiling: ``block_i`` and ``num_stages``
+    (``SparseAttentionConfig.forward_block_i`` / ``forward_stages``). Cheap, and called before
+    anything is compiled; each message names the argument or config field to change.
+    """
+    if heads < 1 or groups < 1 or heads % groups:
         raise ValueError(
-            f"D={dim}, block_i={block_i}, num_stages={num_stages} need {smem} bytes of shared "
-            f"memory (> {SMEM_LIMIT})"
+            f"q.shape[2] = {heads} query heads must be a positive multiple of kv.shape[2] = "
+            f"{groups} kv groups"
+        )
+    if d_v < 128 or d_v % 128:
+        raise ValueError(
+            f"d_v = {d_v} must be a positive multiple of 128: each consumer warpgroup "
+            "accumulates d_v / 2 columns in 64-column wgmma tiles"
+        )
+    if dim < d_v or (dim - d_v) % 64:
+        raise ValueError(
+            f"q.shape[-1] - d_v = {dim - d_v} (the RoPE tail) must be a non-negative multiple "
+            "of 64: the gather and the wgmma tiles move 64 columns at a time"
+        )
+    if block_i not in BLOCK_I_CHOICES:
+        raise ValueError(
+            f"SparseAttentionConfig.forward_block_i = {block_i} must be one of "
+            f"{BLOCK_I_CHOICES} (whole 16-row gather passes; the wgmma N of S = Q K^T)"
+        )
+    if num_stages < 2:
+        raise ValueError(
+            f"SparseAttentionConfig.forward_stages = {num_stages} must be >= 2: the gather of "
+            "one block overlaps the compute of another only with a second stage"
+        )
+    smem = shared_memory_bytes(dim, block_i, num_stages)
+    if smem > HOPPER_SMEM_PER_BLOCK:
+        raise ValueError(
+            f"SparseAttentionConfig.forward_block_i = {block_i} with forward_stages = "
+            f"{num_stages} needs {smem} bytes of shared memory at q.shape[-1] = {dim}, more "
+            f"than the {HOPPER_SMEM_PER_BLOCK} bytes a Hopper thread block can use; lower "
+            "forward_stages or forward_block_i"
         )
 
 
@@ -132,18 +158,20 @@ def build_forward(
     d_v: int,
     topk_padded: int,
     has_sink: bool,
-    block_i: int = 64,
-    num_stages: int = 2,
+    block_i: int,
+    num_stages: int,
 ):
     """The TileLang ``prim_func`` of the forward for one static configuration.
 
     Static: ``heads`` (H), ``groups`` (G), ``dim`` (D = d_v + RoPE tail), ``d_v``,
-    ``topk_padded`` (a multiple of ``block_i``: the index columns walked), ``has_sink``,
-    ``block_i`` and ``num_stages``. Dynamic: batch, S, S_kv and the real ``topk`` (the last
-    dimension of ``Indices``, at most ``topk_padded``). ``sm_scale`` is a runtime scalar.
-    Arguments: ``Q, KV, Indices, Sink, Out, Lse, sm_scale`` (``Sink`` is read only with a sink).
+    ``topk_padded`` (a positive multiple of ``block_i``: the index columns walked),
+    ``has_sink``, ``block_i`` and ``num_stages``; the configuration must pass
+    :func:`check_forward_config` (:func:`compile_forward` checks it). Dynamic: batch, S, S_kv and
+    the real ``topk`` (the last dimension of ``Indices``, at most ``topk_padded``). ``sm_scale``
+    is a runtime scalar. Arguments: ``Q`` bf16 ``[B, S, H, D]``, ``KV`` bf16 ``[B, S_kv, G, D]``,
+    ``Indices`` int32 ``[B, S, G, topk]``, ``Sink`` fp32 ``[H]`` (read only with a sink),
+    ``Out`` bf16 ``[B, S, H, d_v]``, ``Lse`` fp32 ``[B, S, H]`` (log2 units), ``sm_scale``.
     """
-    check_config(heads, groups, dim, d_v, topk_padded, block_i, num_stages)
     bi, ns = block_i, num_stages
     hg = heads // groups  # query heads per kv group
     n_hblk = -(-hg // HB)  # head blocks per (query, group)
@@ -157,13 +185,35 @@ def build_forward(
     dtype, accum, idx_t = "bfloat16", "float32", "int32"
     batch, seq_len, seq_len_kv, topk = T.dynamic("batch, seq_len, seq_len_kv, topk")
 
-    # Macros cannot see the kernel's locals: they take its buffers in one namespace `k`.
+    # Macros cannot see the kernel's locals: they take its buffers in one namespace `k`. Head
+    # rows at or past `k.h_lim` are padding of a partial head block: loaded as 0, never stored.
+
+    @T.macro
+    def load_q(k):
+        """Warpgroup 0: the program's Q rows into shared memory, published to the wgmma."""
+        for h, d in T.Parallel(HB, half):
+            k.q_l[h, d] = T.if_then_else(
+                full_heads or h < k.h_lim, k.Q[k.b, k.s, k.h_base + h, d], 0
+            )
+        for h, d in T.Parallel(HB, half):
+            k.q_r[h, d] = T.if_then_else(
+                full_heads or h < k.h_lim, k.Q[k.b, k.s, k.h_base + h, half + d], 0
+            )
+        if tail > 0:
+            for h, d in T.Parallel(HB, tail):
+                k.q_t[h, d] = T.if_then_else(
+                    full_heads or h < k.h_lim, k.Q[k.b, k.s, k.h_base + h, d_v + d], 0
+                )
+        T.fence_proxy_async()  # Q: generic-proxy stores, read by wgmma
+        T.barrier_arrive(k.bar_q)
+        T.barrier_wait(k.bar_q, 0)
+
     @T.macro
     def score_block(k, s, j, n):
-        # Warpgroup 0 on block j (stage s, its n-th use): S = Q K^T, online softmax, publish
-        # P and the rescale factor for warpgroup 1, O[:, :d_v/2] += P V. The stage is released
-        # as soon as this P V retires, never later (e.g. behind the next block's arrival), so
-        # the producer can keep every other stage in flight.
+        """Warpgroup 0 on block j (stage s, its n-th use): S = Q K^T, online softmax, publish
+        P and the rescale factor for warpgroup 1, O[:, :d_v/2] += P V."""
+        # The stage is released as soon as this P V retires, never later (e.g. behind the next
+        # block's arrival), so the producer can keep every other stage in flight.
         T.barrier_wait(k.k_ready[s], n % 2)
         T.wgmma_gemm(k.q_l, k.kv_l[s, :, :], k.acc_s, transpose_B=True, clear_accum=True)
         T.wgmma_gemm(k.q_r, k.kv_r[s, :, :], k.acc_s, transpose_B=True)
@@ -199,7 +249,7 @@ def build_forward(
 
     @T.macro
     def value_block(k, s, j, n):
-        # Warpgroup 1 on block j (stage s, its n-th use).
+        """Warpgroup 1 on block j (stage s, its n-th use): O[:, d_v/2:] += P V."""
         T.barrier_wait(k.p_ready, j % 2)
         T.barrier_wait(k.k_ready[s], n % 2)  # complete already; makes the stage visible here
         T.copy(k.alpha_sh, k.alpha_r)
@@ -212,8 +262,9 @@ def build_forward(
 
     @T.macro
     def each_block(k, body):
-        # Every block with a static stage index: rounds of `ns` blocks, then the remainder.
-        # Block j is stage j % ns, its (j // ns)-th use.
+        """``body(k, s, j, n)`` for every block j, with a static stage index s."""
+        # Rounds of `ns` blocks, then the remainder. Block j is stage j % ns, its (j // ns)-th
+        # use.
         for rnd in T.serial(n_rounds):
             for s in T.unroll(ns, explicit=True):
                 body(k, s, rnd * ns + s, rnd)
@@ -221,14 +272,72 @@ def build_forward(
             body(k, s, n_rounds * ns + s, n_rounds)
 
     @T.macro
+    def finish_softmax(k):
+        """Warpgroup 0 after the last block: lse (log2 units, sink folded in) and the output
+        factor 1 / (l + sink term), handed to warpgroup 1 through ``fin``; writes ``Lse``."""
+        # l_i >= 1 exactly when some key was valid (the maximum contributes exp2(0)).
+        for h in T.Parallel(HB):
+            has_key = k.l_i[h] > 0
+            k.lse[h] = T.if_then_else(has_key, T.log2(k.l_i[h]) + k.m_i[h], -T.infinity(accum))
+            if has_sink:
+                sink2 = T.if_then_else(full_heads or h < k.h_lim, k.Sink[k.h_base + h], 0) * LOG2E
+                k.fac[h] = T.if_then_else(has_key, 1 / (k.l_i[h] + T.exp2(sink2 - k.m_i[h])), 0)
+                top = T.max(k.lse[h], sink2)
+                k.lse[h] = top + T.log2(T.exp2(k.lse[h] - top) + T.exp2(sink2 - top))
+            else:
+                k.fac[h] = T.if_then_else(has_key, 1 / k.l_i[h], 0)
+        T.copy(k.fac, k.fac_sh)
+        T.barrier_arrive(k.fin)
+        for h in T.Parallel(HB):
+            if full_heads or h < k.h_lim:
+                k.Lse[k.b, k.s, k.h_base + h] = k.lse[h]
+
+    @T.macro
+    def store_output_half(k, acc, fac, staging, col0):
+        """``Out[..., col0 : col0 + d_v/2] = acc * fac`` (bf16), staged in the shared ``staging``
+        (a Q half: every Q K^T is done once the softmax is finished)."""
+        for h, d in T.Parallel(HB, half):
+            acc[h, d] *= fac[h]
+        T.copy(acc, staging)
+        for h, d in T.Parallel(HB, half):
+            if full_heads or h < k.h_lim:
+                k.Out[k.b, k.s, k.h_base + h, col0 + d] = staging[h, d]
+
+    @T.macro
+    def score_warpgroup(k):
+        """Warpgroup 0: Q, S = Q K^T and the online softmax per block, O[:, :d_v/2], Lse."""
+        T.set_max_nreg(240, 1)
+        load_q(k)
+        T.fill(k.acc_o_l, 0)
+        T.fill(k.l_i, 0)
+        T.fill(k.m_i, _M_INIT)
+        each_block(k, score_block)
+        finish_softmax(k)
+        store_output_half(k, k.acc_o_l, k.fac, k.q_l, 0)
+
+    @T.macro
+    def value_warpgroup(k):
+        """Warpgroup 1: O[:, d_v/2:] from warpgroup 0's shared P."""
+        T.set_max_nreg(168, 1)
+        T.fill(k.acc_o_r, 0)
+        each_block(k, value_block)
+        # fin: warpgroup 0 is past its last Q K^T, so q_r may stage this half's output.
+        T.barrier_wait(k.fin, 0)
+        T.copy(k.fac_sh, k.alpha_r)
+        store_output_half(k, k.acc_o_r, k.alpha_r, k.q_r, half)
+
+    @T.macro
     def load_indices(k, j, tp):
-        # One index per pass (row r * 16 + tp // 8); columns past the real topk are padding.
+        """Producer thread tp: the indices of its rows of block j (one per pass)."""
+        # Row r * 16 + tp // 8 of each pass; columns past the real topk are padding.
         for r in T.unroll(passes):
             col = j * bi + r * _PRODUCER_ROWS + tp // 8
             k.idx[r] = T.if_then_else(col < topk, k.Indices[k.b, k.s, k.g, col], -1)
 
     @T.macro
     def gather_block(k, j, tp):
+        """Producer thread tp: cp.async its chunks of block j's K/V rows into stage j % ns and
+        write the block's mask, once both consumers have released that stage."""
         s = j % ns
         # Phase j // ns - 1 of k_free[s]: both consumers released block j - ns.
         T.barrier_wait(k.k_free[s], (j // ns + 1) % 2)
@@ -262,6 +371,17 @@ def build_forward(
         # thread's copies have landed.
         T.barrier_arrive(k.k_ready[s])
         T.cp_async_barrier_noinc(k.k_ready[s])
+
+    @T.macro
+    def gather_warpgroup(k):
+        """Warpgroup 2 (producer): every block's indices, K/V rows and mask."""
+        T.set_max_nreg(80, 0)
+        tp = k.tx - 256
+        load_indices(k, 0, tp)
+        for j in T.serial(n_blocks):
+            gather_block(k, j, tp)
+            if j + 1 < n_blocks:
+                load_indices(k, j + 1, tp)  # in flight while this block's copies land
 
     @T.prim_func
     def sparse_attention_fwd(
@@ -316,12 +436,19 @@ def build_forward(
             scale2 = sm_scale * LOG2E
             tx = T.get_thread_binding()
             k = SimpleNamespace(
+                Q=Q,
                 KV=KV,
                 Indices=Indices,
+                Sink=Sink,
+                Out=Out,
+                Lse=Lse,
                 b=b_i,
                 g=g_i,
                 s=s_i,
+                h_base=h_base,
+                h_lim=h_lim,
                 scale2=scale2,
+                tx=tx,
                 q_l=q_l,
                 q_r=q_r,
                 q_t=q_t,
@@ -330,6 +457,7 @@ def build_forward(
                 k_t=k_t,
                 p_sh=p_sh,
                 alpha_sh=alpha_sh,
+                fac_sh=fac_sh,
                 valid=valid,
                 acc_s=acc_s,
                 p_frag=p_frag,
@@ -341,81 +469,23 @@ def build_forward(
                 l_i=l_i,
                 l_blk=l_blk,
                 alpha_r=alpha_r,
+                fac=fac,
+                lse=lse,
                 idx=idx,
+                bar_q=bar_q,
                 k_ready=k_ready,
                 k_free=k_free,
                 p_ready=p_ready,
                 p_free=p_free,
+                fin=fin,
             )
 
             if tx < 128:
-                # Warpgroup 0: Q, S = Q K^T, online softmax, O[:, :d_v/2], lse.
-                T.set_max_nreg(240, 1)
-                for h, d in T.Parallel(HB, half):
-                    q_l[h, d] = T.if_then_else(
-                        full_heads or h < h_lim, Q[b_i, s_i, h_base + h, d], 0
-                    )
-                for h, d in T.Parallel(HB, half):
-                    q_r[h, d] = T.if_then_else(
-                        full_heads or h < h_lim, Q[b_i, s_i, h_base + h, half + d], 0
-                    )
-                if tail > 0:
-                    for h, d in T.Parallel(HB, tail):
-                        q_t[h, d] = T.if_then_else(
-                            full_heads or h < h_lim, Q[b_i, s_i, h_base + h, d_v + d], 0
-                        )
-                T.fence_proxy_async()  # Q: generic-proxy stores, read by wgmma
-                T.barrier_arrive(bar_q)
-                T.barrier_wait(bar_q, 0)
-                T.fill(acc_o_l, 0)
-                T.fill(l_i, 0)
-                T.fill(m_i, _M_INIT)
-                each_block(k, score_block)
-                # l_i >= 1 exactly when some key was valid (the maximum contributes exp2(0)).
-                for h in T.Parallel(HB):
-                    has_key = l_i[h] > 0
-                    lse[h] = T.if_then_else(has_key, T.log2(l_i[h]) + m_i[h], -T.infinity(accum))
-                    if has_sink:
-                        sink2 = T.if_then_else(full_heads or h < h_lim, Sink[h_base + h], 0) * LOG2E
-                        fac[h] = T.if_then_else(has_key, 1 / (l_i[h] + T.exp2(sink2 - m_i[h])), 0)
-                        top = T.max(lse[h], sink2)
-                        lse[h] = top + T.log2(T.exp2(lse[h] - top) + T.exp2(sink2 - top))
-                    else:
-                        fac[h] = T.if_then_else(has_key, 1 / l_i[h], 0)
-                T.copy(fac, fac_sh)
-                T.barrier_arrive(fin)
-                for h in T.Parallel(HB):
-                    if full_heads or h < h_lim:
-                        Lse[b_i, s_i, h_base + h] = lse[h]
-                for h, d in T.Parallel(HB, half):
-                    acc_o_l[h, d] *= fac[h]
-                T.copy(acc_o_l, q_l)  # every Q K^T is done: q_l stages this half's output
-                for h, d in T.Parallel(HB, half):
-                    if full_heads or h < h_lim:
-                        Out[b_i, s_i, h_base + h, d] = q_l[h, d]
+                score_warpgroup(k)
             elif tx < 256:
-                # Warpgroup 1: O[:, d_v/2:].
-                T.set_max_nreg(168, 1)
-                T.fill(acc_o_r, 0)
-                each_block(k, value_block)
-                # fin: warpgroup 0 is past its last Q K^T, so q_r may stage this half's output.
-                T.barrier_wait(fin, 0)
-                T.copy(fac_sh, alpha_r)
-                for h, d in T.Parallel(HB, half):
-                    acc_o_r[h, d] *= alpha_r[h]
-                T.copy(acc_o_r, q_r)
-                for h, d in T.Parallel(HB, half):
-                    if full_heads or h < h_lim:
-                        Out[b_i, s_i, h_base + h, half + d] = q_r[h, d]
+                value_warpgroup(k)
             else:
-                # Warpgroup 2: the gather.
-                T.set_max_nreg(80, 0)
-                tp = tx - 256
-                load_indices(k, 0, tp)
-                for j in T.serial(n_blocks):
-                    gather_block(k, j, tp)
-                    if j + 1 < n_blocks:
-                        load_indices(k, j + 1, tp)
+                gather_warpgroup(k)
 
     return sparse_attention_fwd
 
@@ -428,25 +498,26 @@ def compile_forward(
     d_v: int,
     topk_padded: int,
     has_sink: bool,
-    block_i: int = 64,
-    num_stages: int = 2,
-    target_arch: str = "sm_90a",
-):
+    block_i: int,
+    num_stages: int,
+    target_arch: str,
+) -> tilelang.JITKernel:
     """The compiled forward kernel for one static configuration (cached per configuration).
 
-    Compiles for ``{"kind": "cuda", "arch": target_arch}``; works without a GPU when nvcc is
-    present. Batch, S, S_kv and topk are dynamic, so new lengths reuse the compiled kernel.
+    Arguments as :func:`build_forward`; ``topk_padded`` is ``round_up(topk, block_i)``.
+    Raises ValueError (see :func:`check_forward_config`) before compiling anything the kernel
+    cannot run. Compiles for ``{"kind": "cuda", "arch": target_arch}`` (e.g. ``"sm_90a"``);
+    works without a GPU when nvcc is present. Batch, S, S_kv and topk are dynamic, so new
+    lengths reuse the compiled kernel.
     """
+    check_forward_config(heads, groups, dim, d_v, block_i, num_stages)
+    if topk_padded < block_i or topk_padded % block_i:
+        raise ValueError(f"topk_padded = {topk_padded} must be a positive multiple of {block_i}")
     return compile_kernel(
         lambda: build_forward(heads, groups, dim, d_v, topk_padded, has_sink, block_i, num_stages),
         target={"kind": "cuda", "arch": target_arch},
         pass_configs=PASS_CONFIGS,
     )
-
-
-def padded_topk(topk: int, block_i: int = 64) -> int:
-    """The index columns the kernel walks for ``topk``: the next multiple of ``block_i``."""
-    return max(1, -(-topk // block_i)) * block_i
 
 
 def sparse_attention_forward_tilelang(
@@ -457,9 +528,8 @@ def sparse_attention_forward_tilelang(
     sm_scale: float,
     d_v: int,
     *,
-    block_i: int = 64,
-    threads: int = THREADS,
-    num_stages: int = 2,
+    block_i: int,
+    num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward on Hopper (TileLang), one kernel launch, no host sync.
 
@@ -473,17 +543,16 @@ def sparse_attention_forward_tilelang(
         attn_sink: float32 ``[H]`` or None: a per-head logit added to the denominator only.
         sm_scale: softmax scale.
         d_v: value width, a multiple of 128.
-        block_i: keys per index block (16, 32 or 64); topk is padded to a multiple of it.
-        threads: must be 384 (two consumer warpgroups and one producer warpgroup).
-        num_stages: K/V stages in shared memory (>= 2; 2 fits D = 576 with block_i = 64).
+        block_i: keys per index block (``SparseAttentionConfig.forward_block_i``: 16, 32 or
+            64); topk is padded to a multiple of it.
+        num_stages: K/V stages in shared memory (``SparseAttentionConfig.forward_stages``,
+            >= 2; 2 fits D = 576 with block_i = 64).
 
     Returns:
         ``out`` bfloat16 ``[B, S, H, d_v]`` and ``lse2`` float32 ``[B, S, H]``, the log2-space
         log-sum-exp of the scaled logits with the sink folded in (``lse_natural / ln 2``); -inf
         for a row without a valid index and without a sink. Such a row's output is exactly 0.
     """
-    if threads != THREADS:
-        raise ValueError(f"threads={threads}: this kernel runs {THREADS} threads (3 warpgroups)")
     b, s, h, d = q.shape
     s_kv, g = kv.shape[1], kv.shape[2]
     out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device)
@@ -504,7 +573,7 @@ def sparse_attention_forward_tilelang(
         g,
         d,
         d_v,
-        padded_topk(indices.shape[-1], block_i),
+        round_up(indices.shape[-1], block_i),
         attn_sink is not None,
         block_i,
         num_stages,
