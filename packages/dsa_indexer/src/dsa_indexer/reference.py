@@ -110,3 +110,47 @@ def indexer_topk_scores_backward_reference(
         dkeys = torch.einsum("thj,thd->tjd", ds, q[t0:t1].to(dtype))
         dk.index_add_(0, idx.clamp(min=0).reshape(-1).long(), dkeys.reshape(-1, d))
     return dq.to(q.dtype), dk.to(k.dtype), dw.to(torch.promote_types(dtype, torch.float32))
+
+
+def _kl_parts(scores: torch.Tensor, target: torch.Tensor, dtype: torch.dtype):
+    """Valid mask, p = target / its sum over valid slots, log softmax over valid slots, and
+    whether each row is live (a valid slot and target mass on them)."""
+    s = scores.to(dtype)
+    valid = torch.isfinite(s)
+    a = torch.where(valid, target.to(dtype), 0)
+    total = a.sum(-1, keepdim=True)
+    live = valid.any(-1, keepdim=True) & (total > 0)
+    p = a / torch.where(live, total, 1)
+    log_q = torch.log_softmax(torch.where(valid, s, float("-inf")), dim=-1)
+    return valid, p, log_q, live
+
+
+def indexer_kl_loss_rows_reference(
+    scores: torch.Tensor, target: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(p || softmax(scores)) over the valid (finite-score) slots of ``[T, topk]``
+    inputs, and whether each row has a valid slot (both ``[T]`` in ``dtype``, at least fp32).
+
+    ``p`` is the target normalised over the valid slots; ``0 * log 0 = 0`` (no log of 0 is
+    taken); a row without a valid slot or without target mass on them gives 0.
+    """
+    valid, p, log_q, live = _kl_parts(scores, target, dtype)
+    ok = valid & (p > 0)
+    term = torch.where(ok, p * (torch.log(torch.where(ok, p, 1)) - log_q), 0)
+    loss = torch.where(live[:, 0], term.sum(-1), 0)
+    return loss, valid.any(-1).to(loss.dtype)
+
+
+def indexer_kl_loss_grad_reference(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Gradient of the summed per-row loss w.r.t. ``scores``, times ``scale`` (a one-element
+    tensor): ``softmax(scores) - p`` on valid slots of live rows, 0 elsewhere."""
+    valid, p, log_q, live = _kl_parts(scores, target, dtype)
+    ok = valid & live
+    grad = torch.where(ok, torch.exp(torch.where(ok, log_q, 0)) - p, 0)
+    return (grad * scale.to(grad.dtype)).to(torch.promote_types(dtype, torch.float32))

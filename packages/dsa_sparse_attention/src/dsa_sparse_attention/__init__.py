@@ -1,6 +1,7 @@
 """MLA-style sparse attention of DeepSeek Sparse Attention, forward and backward."""
 
 from dsa_sparse_attention._ops import resolve_config, sparse_attention
+from dsa_sparse_attention._probs import sparse_attention_probs
 from dsa_sparse_attention.config import SparseAttentionConfig
 from dsa_sparse_attention.precompile import AttentionShape, precompile
 
@@ -10,5 +11,6 @@ __all__ = [
     "precompile",
     "resolve_config",
     "sparse_attention",
+    "sparse_attention_probs",
 ]
 __version__ = "0.1.0"

@@ -155,3 +155,37 @@ def sparse_attention_backward_reference(
 
 def default_sm_scale(d_qk: int) -> float:
     return 1.0 / math.sqrt(d_qk)
+
+
+def sparse_attention_probs_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Head-summed attention probability of each selected slot: ``[B, S, G, topk]`` (float32,
+    float64 when ``dtype`` is), from the natural-log ``lse`` [B, S, H] of the forward.
+
+    ``sum_{h in g} exp(sm_scale * q[b, s, h] . kv[b, idx, g] - lse[b, s, h])``, 0 at -1 slots;
+    each occurrence of a duplicated index gets the same value.
+    """
+    b, s, h, d = q.shape
+    g, topk = kv.shape[2], indices.shape[-1]
+    hg = h // g
+    out = torch.empty(
+        b, s, g, topk, dtype=torch.promote_types(dtype, torch.float32), device=q.device
+    )
+    kvf = kv.to(dtype)
+    step = _chunk(s, g, topk, d)
+    for c0 in range(0, s, step):
+        c1 = min(s, c0 + step)
+        idx = indices[:, c0:c1]
+        keys = _gather(kvf, idx)
+        qc = q[:, c0:c1].to(dtype).reshape(b, c1 - c0, g, hg, d)
+        lse_c = lse[:, c0:c1].to(dtype).reshape(b, c1 - c0, g, hg)
+        p = _probs(_scores(qc, keys, idx >= 0, sm_scale), lse_c)
+        out[:, c0:c1] = p.sum(3)
+    return out

@@ -1,0 +1,124 @@
+"""``sparse_attention_probs``: the indexer's training target from the attention's saved lse."""
+
+from __future__ import annotations
+
+import torch
+from kernel_common import check_indices, check_tensor
+
+from dsa_sparse_attention import reference
+
+_OP = "sparse_attention_probs"
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    # The Triton kernel is built and tested for CUDA GPUs; ROCm runs the torch reference.
+    return q.device.type == "cuda" and torch.version.hip is None
+
+
+@torch.library.custom_op("dsa_sparse_attention::probs", mutates_args=())
+def _probs_op(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    if _use_triton(q):
+        from dsa_sparse_attention._triton import sparse_attention_probs_triton
+
+        return sparse_attention_probs_triton(q, kv, indices, lse, sm_scale)
+    check_indices(_OP, "indices", indices, kv.shape[1], "S_kv")
+    return reference.sparse_attention_probs_reference(q, kv, indices, lse, sm_scale)
+
+
+@_probs_op.register_fake
+def _(q, kv, indices, lse, sm_scale):
+    return q.new_empty(indices.shape, dtype=torch.float32)
+
+
+# A target, not a function to differentiate: the output is marked non-differentiable, so inputs
+# that require grad (the lse of a training forward) pass through torch.compile and opcheck.
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+def _backward(ctx, grad):
+    raise RuntimeError(f"{_OP} is not differentiable")
+
+
+_probs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_attention_probs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The attention probability of each selected slot, summed over the heads of its kv group.
+
+    The DSA indexer's training target (``dsa_indexer.indexer_kl_loss`` normalises it per row):
+    ``out[b, s, g, j] = sum_{h in g} exp(sm_scale * q[b, s, h] . kv[b, indices[b, s, g, j], g]
+    - lse[b, s, h])``, from the lse that ``sparse_attention(..., return_lse=True)`` returned
+    for the same inputs, so no softmax statistics are recomputed. Per-head probabilities are
+    never stored. Under tensor parallelism each rank holds some heads: all-reduce (sum) the
+    result over the head shards to get the full-head target.
+
+    Args:
+        q, kv, indices, sm_scale: as in :func:`sparse_attention` (``sm_scale`` default
+            ``1 / sqrt(D)``); on the GPU ``D`` is a power of two >= 16, or one plus a smaller
+            power of two >= 16 (512, 576, ...).
+        lse: float32 ``[B, S, H]``, natural log, sink included (the forward's ``lse``).
+
+    Returns:
+        float32 ``[B, S, G, topk]``: 0 at padding (-1; on the GPU any index outside
+        ``[0, S_kv)``, which the torch reference rejects), the same value at each occurrence of
+        a duplicated index. Not differentiable.
+    """
+    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
+    b, s, h, d = q.shape
+    check_tensor(
+        _OP,
+        "kv",
+        kv,
+        dtypes=(torch.bfloat16,),
+        shape=[b, None, None, d],
+        layout=f"[B={b}, S_kv, G, D={d}]",
+        device=q.device,
+    )
+    g = kv.shape[2]
+    if g < 1 or h % g != 0:
+        raise ValueError(
+            f"{_OP}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
+        )
+    check_tensor(
+        _OP,
+        "indices",
+        indices,
+        dtypes=(torch.int32,),
+        shape=[b, s, g, None],
+        layout=f"[B={b}, S={s}, G={g}, topk]",
+        device=q.device,
+    )
+    if indices.shape[-1] < 1:
+        raise ValueError(
+            f"{_OP}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
+        )
+    check_tensor(
+        _OP,
+        "lse",
+        lse,
+        dtypes=(torch.float32,),
+        shape=[b, s, h],
+        layout=f"[B={b}, S={s}, H={h}]",
+        device=q.device,
+    )
+    if _use_triton(q):
+        from dsa_sparse_attention._triton import split_width
+
+        if split_width(d) is None:
+            raise ValueError(
+                f"{_OP}: q.shape[-1] = {d} must be a power of two >= 16, or one plus a smaller "
+                "power of two >= 16 (e.g. 512, 576), for the GPU kernel"
+            )
+    if sm_scale is None:
+        sm_scale = reference.default_sm_scale(d)
+    return _probs_op(q, kv, indices, lse, float(sm_scale))

@@ -1,0 +1,148 @@
+"""Triton kernel of ``sparse_attention_probs``: head-summed probabilities of the selected keys.
+
+One program per (query, kv group) holds the group's query heads (a block of ``HB`` rows, the M
+side of the tensor-core product) for the whole walk over the query's index row in ``BLOCK_K``
+slots: it gathers the slots' K rows (the whole width, split as ``D_MAIN + D_TAIL`` columns, both
+powers of two: 512 + 64 for the RoPE layout), forms ``S = Q K^T`` and
+``P = exp2(S * sm_scale * log2(e) - lse2)`` with the forward's lse, and stores the column sums of
+``P`` over the heads. The per-head probabilities live only in registers; V is never read. A
+group of more than ``HB`` heads is walked once per head block, each later walk adding to the
+row it stored (one program owns the row: deterministic, no atomics).
+
+An index is a key when it lies in ``[0, S_kv)``; every other value is padding and gets 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from kernel_common import next_pow2
+from kernel_common.constants import LOG2E
+
+# Launch: 64 slots per step (the N side of the product), 8 warps so that the [64, 512] bf16
+# query block stays resident, 2 stages of the key gather in flight.
+_BLOCK_K = 64
+_WARPS = 8
+_STAGES = 2
+_MAX_HEAD_BLOCK = 64
+
+
+@triton.jit
+def _load_q(q_ptr, q_row, h0, HG: tl.constexpr, D: tl.constexpr, col0, HB: tl.constexpr,
+            COLS: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """Columns [col0, col0 + COLS) of the group's heads h0 .. h0 + HB (zero past HG)."""
+    h = h0 + tl.arange(0, HB)
+    cols = col0 + tl.arange(0, COLS)
+    x = tl.load(q_ptr + (q_row + h)[:, None] * D + cols[None, :], mask=(h < HG)[:, None], other=0.0)
+    return x.to(tl.float32) if DOT_FP32 else x
+
+
+@triton.jit
+def _load_k(kv_ptr, key_rows, valid, D: tl.constexpr, col0, COLS: tl.constexpr,
+            DOT_FP32: tl.constexpr):  # fmt: skip
+    cols = col0 + tl.arange(0, COLS)
+    x = tl.load(kv_ptr + key_rows[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
+    return x.to(tl.float32) if DOT_FP32 else x
+
+
+@triton.jit
+def _probs_kernel(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    lse_ptr,
+    out_ptr,
+    S,
+    S_kv,
+    TOPK,
+    scale2,
+    G: tl.constexpr,
+    HG: tl.constexpr,
+    D: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LOG2E_: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * G + g
+    g = row % G
+    bs = row // G
+    b = bs // S
+    q_row = bs * (G * HG) + g * HG  # first head of the group, in rows of D
+    row_idx = idx_ptr + row * TOPK
+    row_out = out_ptr + row * TOPK
+    for h0 in range(0, HG, HB):
+        h = h0 + tl.arange(0, HB)
+        q_main = _load_q(q_ptr, q_row, h0, HG, D, 0, HB, D_MAIN, DOT_FP32)
+        if D_TAIL > 0:
+            q_tail = _load_q(q_ptr, q_row, h0, HG, D, D_MAIN, HB, D_TAIL, DOT_FP32)
+        # Padded heads get lse2 = +inf: exp2(s - inf) = 0, so they add nothing.
+        lse2 = tl.load(lse_ptr + q_row + h, mask=h < HG, other=float("inf")) * LOG2E_
+        for j0 in range(0, TOPK, BLOCK_K):
+            offs_j = j0 + tl.arange(0, BLOCK_K)
+            j_ok = offs_j < TOPK
+            idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
+            valid = (idx >= 0) & (idx < S_kv)
+            key_rows = (b * S_kv + idx.to(tl.int64)) * G + g
+            s = tl.dot(q_main, tl.trans(_load_k(kv_ptr, key_rows, valid, D, 0, D_MAIN, DOT_FP32)))
+            if D_TAIL > 0:
+                k_tail = _load_k(kv_ptr, key_rows, valid, D, D_MAIN, D_TAIL, DOT_FP32)
+                s = tl.dot(q_tail, tl.trans(k_tail), s)
+            p = tl.exp2(s * scale2 - lse2[:, None])
+            p = tl.sum(tl.where(valid[None, :], p, 0.0), axis=0)  # [BLOCK_K]
+            if h0 > 0:
+                p += tl.load(row_out + offs_j, mask=j_ok, other=0.0)
+            tl.store(row_out + offs_j, p, mask=j_ok)
+
+
+def split_width(d: int) -> tuple[int, int] | None:
+    """``(D_MAIN, D_TAIL)``: D as a power of two >= 16 plus 0 or a smaller power of two >= 16
+    (the kernel's tensor-core tiles), or None when D has no such split."""
+    main = next_pow2(d) // 2 if next_pow2(d) != d else d
+    tail = d - main
+    if main < 16 or (tail and (tail < 16 or tail & (tail - 1))):
+        return None
+    return main, tail
+
+
+def sparse_attention_probs_triton(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """Head-summed probabilities, float32 ``[B, S, G, topk]``, on CUDA (or CPU under
+    ``TRITON_INTERPRET=1``). Shapes as in ``dsa_sparse_attention.sparse_attention_probs``;
+    ``D`` must have a :func:`split_width`. No host synchronisation."""
+    b, s, h, d = q.shape
+    s_kv, g = kv.shape[1], kv.shape[2]
+    topk = indices.shape[-1]
+    d_main, d_tail = split_width(d)
+    hg = h // g
+    out = torch.empty(b, s, g, topk, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    interpreted = q.device.type == "cpu"  # the interpreter has no bf16 matmul
+    _probs_kernel[(b * s * g,)](
+        q.contiguous(),
+        kv.contiguous(),
+        indices.contiguous(),
+        lse.contiguous(),
+        out,
+        s,
+        s_kv,
+        topk,
+        float(sm_scale) * LOG2E,
+        G=g,
+        HG=hg,
+        D=d,
+        D_MAIN=d_main,
+        D_TAIL=d_tail,
+        HB=min(max(16, next_pow2(hg)), _MAX_HEAD_BLOCK),
+        BLOCK_K=_BLOCK_K,
+        DOT_FP32=interpreted,
+        LOG2E_=LOG2E,
+        num_warps=_WARPS,
+        num_stages=_STAGES,
+    )
+    return out
