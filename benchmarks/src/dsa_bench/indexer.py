@@ -1,6 +1,11 @@
-"""Benchmark of the Triton indexer kernels on one GPU (H200 figures in DESIGN.md).
+"""Benchmark of the Triton indexer kernels on one GPU (H200 figures in docs/gpu-results.md).
 
-    python benchmarks/bench_indexer.py [--out DIR] [--sweep | --backward-sweep | --window-sweep]
+    python -m dsa_bench.indexer [--out DIR] [--sweep | --backward-sweep | --window-sweep]
+
+(``uv run python -m dsa_bench.indexer ...`` in the workspace; ``--plot indexer.csv`` redraws the
+PNG anywhere, with matplotlib.) The kernels are the private Triton entries of ``dsa_indexer``
+called with the config that :func:`dsa_indexer.resolve_config` picks for the GPU and head count
+(the arch's ``INDEXER_CONFIGS`` row), or with the sweeps' candidates.
 
 Cases: T in {4k, 16k, 64k, 128k} tokens, H = 32, D = 128; one causal sequence, and 8 packed
 causal sequences of equal length. For each case:
@@ -26,8 +31,6 @@ the backward in one pass and in passes of ``backward_key_window`` keys on long i
 
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
 import gc
 import math
@@ -36,15 +39,16 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from dsa_indexer import causal_ranges, reference
+from dsa_indexer import IndexerConfig, causal_ranges, reference, resolve_config
 from dsa_indexer._triton.logits import indexer_logits_into
 from dsa_indexer._triton.topk_scores import (
     indexer_topk_scores_backward_triton,
     indexer_topk_scores_triton,
 )
-from dsa_indexer.config import resolve_indexer_config
+from kernel_common import Lookup
 from kernel_common.testing import rel_diff
-from kernel_common.timing import cuda_time_ms
+
+from dsa_bench import common
 
 PEAK_TFLOPS = 812.0
 HBM_TBPS = 4.26
@@ -53,6 +57,11 @@ BWD_BAR_X_FLOOR = 3.0
 HEADS, DIM, TOPK = 32, 128, 2048
 TOKENS = (4096, 16384, 65536, 131072)
 LAYOUTS = {"causal": 1, "packed8": 8}
+
+
+def table_config(heads: int) -> Lookup[IndexerConfig]:
+    """The config the indexer ops pick on this GPU for ``heads`` query heads (the table row)."""
+    return resolve_config(torch.empty(1, heads, DIM, device="cuda", dtype=torch.bfloat16))
 
 
 def make_inputs(t, heads, d, n_seq, device="cuda"):
@@ -119,10 +128,10 @@ def run_case(layout, t, config, rows):
         row["fwd_rel_diff"] = check("logits", logits, ref)
         del ref
 
-    fwd = cuda_time_ms(
+    fwd = common.time_ms(
         partial(indexer_logits_into, logits, q, k, w, starts, ends, False, config=config), **reps(t)
     )
-    fwd_clean = cuda_time_ms(
+    fwd_clean = common.time_ms(
         partial(indexer_logits_into, logits, q, k, w, starts, ends, True, config=config), **reps(t)
     )
     del logits
@@ -141,7 +150,7 @@ def run_case(layout, t, config, rows):
         row["bwd_rel_diff"] = max(
             check(n, a, b) for n, a, b in zip(("dq", "dk", "dweights"), got, want, strict=True)
         )
-    bwd = cuda_time_ms(
+    bwd = common.time_ms(
         partial(indexer_topk_scores_backward_triton, grad, q, k, w, indices, config=config),
         **reps(t),
     )
@@ -157,10 +166,10 @@ def run_case(layout, t, config, rows):
         bwd_x_floor=bwd / floor,
     )
     if t == TOKENS[0]:
-        row["ref_fwd_ms"] = cuda_time_ms(
+        row["ref_fwd_ms"] = common.time_ms(
             partial(reference.indexer_logits_reference, q, k, w, starts, ends), warmup=1, rep=3
         )
-        row["ref_bwd_ms"] = cuda_time_ms(
+        row["ref_bwd_ms"] = common.time_ms(
             partial(reference.indexer_topk_scores_backward_reference, grad, q, k, w, indices),
             warmup=1,
             rep=3,
@@ -172,58 +181,22 @@ def run_case(layout, t, config, rows):
 
 
 COLUMNS = [
-    ("layout", "{}"),
-    ("T", "{}"),
-    ("fwd_ms", "{:.3f}"),
-    ("fwd_tflops", "{:.0f}"),
-    ("fwd_frac_peak", "{:.2f}"),
-    ("fwd_clean_ms", "{:.3f}"),
-    ("bwd_ms", "{:.3f}"),
-    ("bwd_floor_ms", "{:.3f}"),
-    ("bwd_x_floor", "{:.2f}"),
-    ("ref_fwd_ms", "{:.1f}"),
-    ("ref_bwd_ms", "{:.1f}"),
+    common.Column("layout"),
+    common.Column("T"),
+    common.Column("fwd_ms", fmt="{:.3f}"),
+    common.Column("fwd_tflops", fmt="{:.0f}"),
+    common.Column("fwd_frac_peak", fmt="{:.2f}"),
+    common.Column("fwd_clean_ms", fmt="{:.3f}"),
+    common.Column("bwd_ms", fmt="{:.3f}"),
+    common.Column("bwd_floor_ms", fmt="{:.3f}"),
+    common.Column("bwd_x_floor", fmt="{:.2f}"),
+    common.Column("ref_fwd_ms", fmt="{:.1f}"),
+    common.Column("ref_bwd_ms", fmt="{:.1f}"),
 ]
 
 
-def print_table(rows):
-    head = [c for c, _ in COLUMNS]
-    cells = [[fmt.format(r[c]) if c in r else "-" for c, fmt in COLUMNS] for r in rows]
-    widths = [max(len(h), *(len(x[i]) for x in cells)) for i, h in enumerate(head)]
-    print("  ".join(h.rjust(wd) for h, wd in zip(head, widths, strict=True)))
-    for x in cells:
-        print("  ".join(v.rjust(wd) for v, wd in zip(x, widths, strict=True)))
-
-
-def write_csv(rows, path: Path):
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_csv(path: Path):
-    def value(text):
-        for kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-        return text
-
-    with open(path, newline="") as f:
-        return [{k: value(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
-
-
-def plot(rows, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, path: Path) -> Path:
+    plt = common.pyplot()
     fig, (ax_f, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     for layout in LAYOUTS:
         rs = [r for r in rows if r["layout"] == layout]
@@ -243,8 +216,7 @@ def plot(rows, path: Path):
         ax.minorticks_off()
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return common.save_figure(fig, path, dpi=120)
 
 
 # Candidate tilings for --sweep (configs that do not fit a GPU fail to launch and are skipped).
@@ -267,7 +239,7 @@ def _best(label, candidates, fields, base, fn):
     for cand in candidates:
         cfg = dataclasses.replace(base, **dict(zip(fields, cand, strict=True)))
         try:
-            ms = cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5)
+            ms = common.time_ms(partial(fn, config=cfg), warmup=2, rep=5)
         except Exception as e:  # resource limits of this GPU: report and move on
             print(f"  {label} {cand}: skipped ({type(e).__name__}: {str(e)[:80]})")
             continue
@@ -284,7 +256,7 @@ BACKWARD_FIELDS = ("backward_block_k", "backward_num_warps", "backward_num_stage
 
 def sweep(t=16384):
     for heads in (8, 16, 32, 64):
-        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        base = table_config(heads).config
         q, k, w, starts, ends, g = make_inputs(t, heads, DIM, 1)
         logits = torch.empty(t, t, dtype=torch.float32, device="cuda")
         indices = stratified_indices(starts, ends, TOPK, g)
@@ -351,7 +323,7 @@ def backward_sweep():
     start = time.time()
     case_names = [f"{layout} {t // 1024}k" for layout, t in BACKWARD_SWEEP_CASES]
     for heads in (8, 16, 32, 64):
-        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        base = table_config(heads).config
         cases = [_backward_case(layout, t, heads) for layout, t in BACKWARD_SWEEP_CASES]
         print(
             f"\nheads={heads}: block_k {base.backward_block_k}, warps {base.backward_num_warps}"
@@ -364,7 +336,7 @@ def backward_sweep():
             cfg = dataclasses.replace(base, **dict(zip(BACKWARD_SWEEP_KNOBS, values, strict=True)))
             label = f"{values[0]:6d} {values[1]!s:>6s} {values[2]:5d}"
             try:
-                ms = [cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5) for fn, _ in cases]
+                ms = [common.time_ms(partial(fn, config=cfg), warmup=2, rep=5) for fn, _ in cases]
             except Exception as e:  # resource limits of this GPU: report and move on
                 print(f"  {label}  skipped ({type(e).__name__}: {str(e)[:80]})")
                 continue
@@ -400,7 +372,7 @@ def window_sweep():
     ``WINDOW_SWEEP_VALUES`` (0: one pass) shorter than T, on each case of
     ``WINDOW_SWEEP_CASES``, and check the passes' gradients against the one-pass ones."""
     for heads, layout, t in WINDOW_SWEEP_CASES:
-        base = resolve_indexer_config(torch.device("cuda"), heads).config
+        base = table_config(heads).config
         fn, floor = _backward_case(layout, t, heads)
         one_pass = None
         for window in (w for w in WINDOW_SWEEP_VALUES if w < t):
@@ -408,7 +380,7 @@ def window_sweep():
             grads = fn(config=cfg)
             one_pass = one_pass or grads
             rd = max(rel_diff(a.double(), b.double()) for a, b in zip(grads, one_pass, strict=True))
-            ms = cuda_time_ms(partial(fn, config=cfg), warmup=2, rep=5)
+            ms = common.time_ms(partial(fn, config=cfg), warmup=2, rep=5)
             print(
                 f"heads={heads:2d} {layout:7s} T={t:6d} stages={cfg.backward_num_stages}"
                 f" window={window:6d}: {ms:7.2f} ms ({ms / floor:.2f}x floor),"
@@ -420,30 +392,37 @@ def window_sweep():
         torch.cuda.empty_cache()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--sweep", action="store_true", help="time candidate tilings instead")
+def main(argv=None):
+    parser = common.ArgumentParser(
+        prog="python -m dsa_bench.indexer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS_DIR,
+        help="folder of indexer.csv and indexer.png (default: benchmarks/results)",
+    )
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--sweep", action="store_true", help="time candidate tilings instead")
+    modes.add_argument(
         "--backward-sweep",
         action="store_true",
         help="time the backward's knob values per head count instead",
     )
-    parser.add_argument(
+    modes.add_argument(
         "--window-sweep",
         action="store_true",
         help="time the backward in one pass and in key windows on long inputs instead",
     )
-    parser.add_argument(
+    modes.add_argument(
         "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
     )
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
     if args.plot:
-        plot(read_csv(args.plot), args.out / "indexer.png")
+        common.require_matplotlib(parser, "--plot")
+        print(f"wrote {plot(common.read_csv(args.plot), args.out / 'indexer.png')}")
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_indexer.py needs a CUDA GPU (or --plot CSV)")
+    common.require_cuda("dsa_bench.indexer", " (or --plot CSV)")
     if args.sweep:
         sweep()
         return
@@ -453,7 +432,7 @@ def main():
     if args.window_sweep:
         window_sweep()
         return
-    lookup = resolve_indexer_config(torch.device("cuda"), HEADS)
+    lookup = table_config(HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")
     rows = []
     start = time.time()
@@ -467,15 +446,13 @@ def main():
                 f"  [{time.time() - start:.0f} s]",
                 flush=True,
             )
-    write_csv(rows, args.out / "indexer.csv")
-    print(f"\nwrote {args.out / 'indexer.csv'}")
+    print(f"\nwrote {common.write_csv(rows, args.out / 'indexer.csv')}")
     try:
-        plot(rows, args.out / "indexer.png")
-        print(f"wrote {args.out / 'indexer.png'}")
+        print(f"wrote {plot(rows, args.out / 'indexer.png')}")
     except ImportError:  # a GPU host without matplotlib: draw it later with --plot
         print("matplotlib missing: redraw the PNG elsewhere with --plot indexer.csv")
     print(f"bars: forward >= {FWD_BAR_TFLOPS:.0f} TFLOP/s from 16k on; backward <= 3x floor\n")
-    print_table(rows)
+    common.print_table(rows, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,20 @@
 
 Covers the padding cases the kernels must survive without touching memory out of bounds: -1
 tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
-that is not a block multiple. Run on the GPU host:
+that is not a block multiple. Each case runs the public ``sparse_attention`` with the table's
+config for its shape. Run on the GPU host:
 
-    compute-sanitizer --tool memcheck python benchmarks/memcheck_sparse_attention.py
+    compute-sanitizer --tool memcheck python -m dsa_bench.memcheck
 """
 
 import torch
 from dsa_sparse_attention import sparse_attention
 
+from dsa_bench import common
+
 
 def main() -> None:
+    common.require_cuda("dsa_bench.memcheck")
     gen = torch.Generator(device="cuda").manual_seed(0)
     # The table's tilings: 16 heads bulk reduce-adds; 64 heads atomics with 32-key blocks (D 512)
     # and 64-key blocks (D 576).

@@ -1,4 +1,4 @@
-"""The model configurations of DESIGN.md: the shapes that the benchmark and the tests use."""
+"""The model configurations of docs/design.md: the shapes that the benchmarks and the tests use."""
 
 from __future__ import annotations
 

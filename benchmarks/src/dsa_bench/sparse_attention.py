@@ -2,35 +2,67 @@
 
 For each model x TP size x length it builds the benchmark inputs (per query, random scores over
 its causal window selected by :func:`topk.ranged_topk`, -1 where the window is shorter than
-topk), times the forward and forward+backward of :func:`sparse_attention`, and checks precision
-against the fp32 torch reference up to ``--check-max-tokens``. Without a GPU it runs a small
-default on the torch backend (and says so), checking it against the float64 reference.
+topk) and, for each forward backend compared (default ``tilelang`` and ``flash_mla``), times
+the forward and the forward+backward of :func:`dsa_sparse_attention.sparse_attention`. Each
+backend runs the config that :func:`dsa_sparse_attention.resolve_config` reports for these
+inputs with its ``forward_backend`` swapped in (the ``config`` column: the lookup's
+``describe()``, and the swap). A backend that would not run as asked (FlashMLA not installed,
+or not for this shape: ``resolve_config`` then reports another forward) is skipped with a note,
+never replaced by another one. On a Hopper GPU the TileLang kernels are built first, in
+parallel (:func:`dsa_sparse_attention.precompile`), and the bf16 matmul ceiling is measured.
+
+Precision, up to ``--check-max-tokens`` (columns ``rd_out``, ``rd_dq``, ``rd_dkv``,
+``rd_dsink``: ``kernel_common.testing.rel_diff`` of out and of each gradient):
+
+* on a GPU, against the torch reference in fp32 (``dsa_sparse_attention.reference`` with
+  ``dtype=torch.float32``) on the same inputs; the backward reference starts from the
+  reference forward's lse;
+* on the CPU, where the op itself runs that torch reference, against an independent dense
+  float64 formulation (:mod:`dsa_bench.dense`: every query against every key, weighted by the
+  key's multiplicity in the index row; gradients by float64 autograd).
+
+``rd_vs_other_fwd`` is the rel_diff between the forward outputs of two backends on the same
+inputs, where more than one runs (each row against the first other backend of ``--backends``;
+also up to ``--check-max-tokens``, and with ``--forward-only``).
+
+Without a GPU (or with ``--cpu``) it runs a small default on the torch backend, 256 tokens at
+the TP 8 head count, and says so; ``--full`` (every length up to 128k) is refused there unless
+``--tokens`` names the lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import csv
 import dataclasses
-import statistics
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-from kernel_common import device_arch, tilelang_target
+from dsa_sparse_attention import (
+    AttentionShape,
+    SparseAttentionConfig,
+    precompile,
+    reference,
+    resolve_config,
+    sparse_attention,
+)
+from dsa_sparse_attention.config import FORWARD_BACKENDS
+from kernel_common import Lookup, device_arch
 from kernel_common.testing import rel_diff
 from topk import ranged_topk
 
-from dsa_sparse_attention import reference
-from dsa_sparse_attention._ops import forward_backend, resolve_config, sparse_attention
-from dsa_sparse_attention.config import CONFIG_TABLE, FORWARD_BACKENDS
-from dsa_sparse_attention.models import MODELS, ModelShape
+from dsa_bench import common
+from dsa_bench.dense import dense_forward_backward
+from dsa_bench.models import MODELS, ModelShape
 
 QUICK_TOKENS = (4096, 16384)
 ALL_TOKENS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_TOKENS = (256,)
+CPU_TP = (8,)
+DEFAULT_BACKENDS = ("tilelang", "flash_mla")
 COLUMNS = [
     "model",
     "tp",
@@ -49,6 +81,28 @@ COLUMNS = [
     "rd_dsink",
     "rd_vs_other_fwd",
 ]
+PROGRESS = ["model", "tp", "heads", "tokens", "backend", "fwd_ms", "fwd_bwd_ms"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """One (model, TP size): the table's lookup and the (backend, config) pairs that run."""
+
+    model: ModelShape
+    tp: int
+    lookup: Lookup[SparseAttentionConfig]
+    runs: list[tuple[str, SparseAttentionConfig]]
+
+    @property
+    def heads(self) -> int:
+        return self.model.local_heads(self.tp)
+
+    def describe(self, backend: str) -> str:
+        """The ``config`` column: the lookup's description, and the forward swapped in."""
+        text = self.lookup.describe()
+        if backend != self.lookup.config.forward_backend:
+            text += f"; forward_backend={backend}"
+        return text
 
 
 def benchmark_indices(s: int, kv_ratio: int, topk: int, device, gen) -> torch.Tensor:
@@ -65,24 +119,9 @@ def benchmark_indices(s: int, kv_ratio: int, topk: int, device, gen) -> torch.Te
 
 
 def flops(indices: torch.Tensor, heads: int, d_qk: int, d_v: int) -> tuple[float, float]:
-    """Forward and backward FLOPs over valid (index != -1) pairs, as DESIGN.md counts them."""
+    """Forward and backward FLOPs over valid (index != -1) pairs, as docs/design.md counts them."""
     pairs = float((indices >= 0).sum()) * heads
     return pairs * 2 * (d_qk + d_v), pairs * 2 * (3 * d_qk + 2 * d_v)
-
-
-def time_ms(fn, device: torch.device, warmup: int, rep: int) -> float:
-    if device.type == "cuda":
-        from kernel_common.timing import cuda_time_ms
-
-        return cuda_time_ms(fn, warmup=warmup, rep=rep)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bf16_peak_tflops(device: torch.device) -> float | None:
@@ -91,59 +130,66 @@ def bf16_peak_tflops(device: torch.device) -> float | None:
         return None
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, device, 3, 10)
+    ms = common.time_ms(lambda: a @ b, warmup=3, rep=10, device=device)
     return 2 * 8192**3 / ms / 1e9
 
 
-def usable(backends: list[str], model: ModelShape, tp: int, device) -> list[str]:
-    """The requested forward backends that really run for this shape (no silent fallbacks)."""
-    if device.type != "cuda":
-        return ["torch"]
-    q = torch.empty(1, 1, model.local_heads(tp), model.d_qk, device=device, dtype=torch.bfloat16)
-    kv = torch.empty(1, 1, 1, model.d_qk, device=device, dtype=torch.bfloat16)
-    base = resolve_config(q, model.d_v, None).config
-    return [
-        b
-        for b in backends
-        if forward_backend(q, kv, model.d_v, dataclasses.replace(base, forward_backend=b)) == b
-    ]
-
-
-def precompile(cases: list[tuple[ModelShape, int]], arch_major: int, target: str) -> int:
-    """Build the TileLang kernels of the table's rows for ``cases`` ((model, TP) pairs) on a
-    thread pool, so that nvcc runs in parallel rather than once per case inside the timing loop.
-    Needs nvcc, not a GPU (``target`` such as ``"sm_90a"``). Returns the number of kernels."""
-    from dsa_sparse_attention._tilelang.backward import compile_backward
-    from dsa_sparse_attention._tilelang.forward import compile_forward, padded_topk
-
-    jobs = set()
-    for model, tp in cases:
-        heads, d, d_v = model.local_heads(tp), model.d_qk, model.d_v
-        cfg = CONFIG_TABLE.lookup(arch_major=arch_major, rope_tail=d > d_v, heads=heads).config
-        if cfg.forward_backend == "tilelang":
-            topk = padded_topk(model.topk, cfg.forward_block_i)
-            jobs.add(
-                (compile_forward, (heads, 1, d, d_v, topk, model.sink, cfg.forward_block_i,
-                                   cfg.forward_stages, target), ())
-            )  # fmt: skip
-        if cfg.backward_backend == "tilelang":
-            tiling = (
-                ("block_i", cfg.backward_block_i),
-                ("num_stages", cfg.backward_stages),
-                ("split_store", cfg.split_store),
-                ("dkv_reduce", cfg.dkv_reduce),
-                ("target", target),
-            )
-            jobs.add((compile_backward, (heads, 1, d, d_v, model.topk), tiling))
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(fn, *a, **dict(kw)) for fn, a, kw in jobs]
-        for f in futures:
-            f.result()
-    return len(jobs)
-
-
-def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device, peak) -> dict:
+def plan_case(model: ModelShape, tp: int, backends: list[str], device) -> Plan:
+    """The forward backends of ``backends`` that really run for this shape (no silent
+    fallbacks: a backend is skipped, with a note, when ``resolve_config`` with it swapped into
+    the table's config reports another forward backend)."""
     heads = model.local_heads(tp)
+    # resolve_config reads only the device, the head count, the kv groups and the width, so
+    # one-row tensors stand for the benchmark inputs of any length.
+    q = torch.empty(1, 1, heads, model.d_qk, device=device, dtype=torch.bfloat16)
+    kv = torch.empty(1, 1, 1, model.d_qk, device=device, dtype=torch.bfloat16)
+    lookup = resolve_config(q, kv, d_v=model.d_v)
+    runs = []
+    for backend in backends:
+        config = dataclasses.replace(lookup.config, forward_backend=backend)
+        really = resolve_config(q, kv, d_v=model.d_v, config=config)
+        if really.config.forward_backend == backend:
+            runs.append((backend, config))
+        else:
+            print(
+                f"skip: model={model.name} tp={tp} heads={heads} backend={backend}: "
+                f"{really.config.forward_backend} would run instead ({really.source})",
+                flush=True,
+            )
+    return Plan(model, tp, lookup, runs)
+
+
+def build_kernels(plans: list[Plan], arch, workers: int = 16) -> int:
+    """Build the TileLang kernels that the run will time, in parallel (``precompile``: nvcc,
+    no GPU). Returns the number of kernels."""
+    jobs = {}
+    for plan in plans:
+        if not plan.runs:
+            continue
+        m = plan.model
+        shape = AttentionShape(plan.heads, m.d_qk, m.d_v, m.topk, 1, m.sink)
+        # The runs of a shape differ in their forward backend only: one build covers the
+        # TileLang forward (if any run uses it) and the backward they share.
+        backends = [b for b, _ in plan.runs]
+        forward = "tilelang" if "tilelang" in backends else backends[0]
+        jobs[(shape, dataclasses.replace(plan.runs[0][1], forward_backend=forward))] = None
+    per_job = max(1, workers // max(1, len(jobs)))
+
+    def build(job) -> int:
+        shape, config = job
+        try:
+            return precompile([shape], arch=arch, config=config, max_workers=per_job)
+        except ValueError as e:  # a config the kernels refuse: the run skips it with the reason
+            print(f"dsa-bench: not built for {shape}: {e}", flush=True)
+            return 0
+
+    with concurrent.futures.ThreadPoolExecutor(min(workers, max(1, len(jobs)))) as pool:
+        return sum(pool.map(build, jobs))
+
+
+def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
+    """The rows of one (model, TP size, length): one per forward backend that runs."""
+    model, heads = plan.model, plan.heads
     gen = torch.Generator(device=device).manual_seed(args.seed)
     s_kv = tokens * model.kv_ratio
     q = torch.randn(1, tokens, heads, model.d_qk, device=device, generator=gen).bfloat16()
@@ -151,171 +197,271 @@ def run_case(model: ModelShape, tp: int, tokens: int, backend: str, args, device
     sink = torch.randn(heads, device=device, generator=gen) if model.sink else None
     idx = benchmark_indices(tokens, model.kv_ratio, model.topk, device, gen)
     do = torch.randn(1, tokens, heads, model.d_v, device=device, generator=gen).bfloat16()
-    # The table's row for these inputs, with the forward backend under test swapped in.
-    lookup = resolve_config(q, model.d_v, None)
-    config = dataclasses.replace(lookup.config, forward_backend=backend)
-    described = lookup.describe()
-    if config != lookup.config:
-        described += f" forward_backend={backend}"
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    sg = sink.detach().requires_grad_() if sink is not None else None
-
-    def forward():
-        with torch.no_grad():
-            return sparse_attention(q, kv, idx, d_v=model.d_v, attn_sink=sink, config=config)
-
-    def forward_backward():
-        out = sparse_attention(qg, kvg, idx, d_v=model.d_v, attn_sink=sg, config=config)
-        grads = torch.autograd.grad(out, [x for x in (qg, kvg, sg) if x is not None], do)
-        return out, grads
-
-    fwd_ms = time_ms(forward, device, args.warmup, args.rep)
-    fb_ms = None if args.forward_only else time_ms(forward_backward, device, args.warmup, args.rep)
+    scale = 1.0 / math.sqrt(model.d_qk)
+    leaves = [x.detach().requires_grad_() for x in (q, kv, sink) if x is not None]
     f_fwd, f_bwd = flops(idx, heads, model.d_qk, model.d_v)
-    row = {
-        "model": model.name,
-        "tp": tp,
-        "heads": heads,
-        "tokens": tokens,
-        "backend": backend,
-        "config": described,
-        "fwd_ms": fwd_ms,
-        "fwd_bwd_ms": fb_ms,
-        "fwd_tflops": f_fwd / fwd_ms / 1e9,
-        "fwd_bwd_tflops": (f_fwd + f_bwd) / fb_ms / 1e9 if fb_ms else None,
-        "fwd_peak_pct": 100 * f_fwd / fwd_ms / 1e9 / peak if peak else None,
-    }
-    if tokens <= args.check_max_tokens and not args.forward_only:
-        row.update(check_precision(model, q, kv, idx, sink, do, forward_backward, device))
-    return row
+    compare = tokens <= args.check_max_tokens  # rd_vs_other_fwd (forwards only)
+    check = compare and not args.forward_only  # rd_out, rd_dq, rd_dkv, rd_dsink
+    expected = None  # the precision reference, computed once for every backend
+    rows, outputs = [], []
+    for backend, config in plan.runs:
+
+        def forward(config=config):
+            with torch.no_grad():
+                return sparse_attention(
+                    q, kv, idx, sm_scale=scale, d_v=model.d_v, attn_sink=sink, config=config
+                )
+
+        def forward_backward(config=config):
+            qg, kvg, *sg = leaves
+            sink_g = sg[0] if sg else None
+            out = sparse_attention(
+                qg, kvg, idx, sm_scale=scale, d_v=model.d_v, attn_sink=sink_g, config=config
+            )
+            return out, torch.autograd.grad(out, leaves, do)
+
+        try:
+            out = forward()  # the first call: a config the kernels refuse raises here
+        except ValueError as e:
+            print(f"skip: model={model.name} tp={plan.tp} backend={backend}: {e}", flush=True)
+            continue
+        fwd_ms = common.time_ms(forward, warmup=args.warmup, rep=args.rep, device=device)
+        fb_ms = None
+        if not args.forward_only:
+            fb_ms = common.time_ms(
+                forward_backward, warmup=args.warmup, rep=args.rep, device=device
+            )
+        row = {
+            "model": model.name,
+            "tp": plan.tp,
+            "heads": heads,
+            "tokens": tokens,
+            "backend": backend,
+            "config": plan.describe(backend),
+            "fwd_ms": fwd_ms,
+            "fwd_bwd_ms": fb_ms,
+            "fwd_tflops": f_fwd / fwd_ms / 1e9,
+            "fwd_bwd_tflops": (f_fwd + f_bwd) / fb_ms / 1e9 if fb_ms else None,
+            "fwd_peak_pct": 100 * f_fwd / fwd_ms / 1e9 / peak if peak else None,
+        }
+        if check:
+            if expected is None:
+                expected = reference_results(q, kv, idx, sink, do, scale, model.d_v, device)
+            row.update(precision(forward_backward(), expected))
+        rows.append(row)
+        if compare:
+            outputs.append(out)
+        print("done:", common.named(row, PROGRESS), flush=True)
+    if len(outputs) > 1:
+        for i, row in enumerate(rows):
+            row["rd_vs_other_fwd"] = rel_diff(outputs[i], outputs[1 if i == 0 else 0])
+    return rows
 
 
-def check_precision(model, q, kv, idx, sink, do, forward_backward, device) -> dict:
-    """rel_diff of out / dq / dkv / dsink against the reference (float64 on CPU, fp32 on GPU)."""
-    dtype = torch.float64 if device.type == "cpu" else torch.float32
-    scale = reference.default_sm_scale(model.d_qk)
-    out, grads = forward_backward()
-    ref_out, lse = reference.sparse_attention_forward_reference(
-        q.detach(), kv.detach(), idx, scale, model.d_v, sink, dtype=dtype
+def reference_results(q, kv, idx, sink, do, scale, d_v, device) -> tuple:
+    """``(out, (dq, dkv, dsink))`` to compare with: the fp32 torch reference on a GPU, the dense
+    float64 formulation on the CPU (where the op itself runs the torch reference)."""
+    if device.type == "cpu":
+        out, _, dq, dkv, dsink = dense_forward_backward(q, kv, idx, scale, d_v, sink, do)
+        return out, (dq, dkv, dsink)
+    f32 = torch.float32
+    out, lse = reference.sparse_attention_forward_reference(q, kv, idx, scale, d_v, sink, dtype=f32)
+    grads = reference.sparse_attention_backward_reference(
+        do, None, q, kv, idx, lse, scale, d_v, sink, dtype=f32
     )
-    ref_grads = reference.sparse_attention_backward_reference(
-        do, None, q.detach(), kv.detach(), idx, lse, scale, model.d_v, sink, dtype=dtype
-    )
-    names = ("rd_dq", "rd_dkv", "rd_dsink")
+    return out, grads
+
+
+def precision(got, expected) -> dict:
+    """rel_diff of out / dq / dkv / dsink (dsink only with a sink)."""
+    (out, grads), (ref_out, ref_grads) = got, expected
     result = {"rd_out": rel_diff(out, ref_out)}
-    for name, got, want in zip(names, grads, ref_grads, strict=False):
-        result[name] = rel_diff(got, want)
+    for name, a, b in zip(("rd_dq", "rd_dkv", "rd_dsink"), grads, ref_grads, strict=False):
+        if b is not None:
+            result[name] = rel_diff(a, b)
     return result
 
 
-def fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.2e}" if abs(v) < 1e-2 and v != 0 else f"{v:.2f}"
-    return str(v)
+def plot(rows: list[dict], path: Path) -> Path:
+    return common.bar_plot(
+        path,
+        [f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}" for r in rows],
+        [
+            ("forward", [r["fwd_ms"] for r in rows]),
+            ("forward+backward", [r["fwd_bwd_ms"] for r in rows]),
+        ],
+        ylabel="ms (median)",
+        title="sparse_attention",
+        figsize=(max(6, len(rows) * 0.6), 4),
+        label_fontsize=6,
+    )
 
 
-def print_table(rows: list[dict]) -> None:
-    shown = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
-    cells = [[fmt(r.get(c)) for c in shown] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(shown)]
-    print("  ".join(c.ljust(w) for c, w in zip(shown, widths, strict=True)))
-    for x in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(x, widths, strict=True)))
+def csv_ints(values) -> str:
+    return ",".join(map(str, values))
 
 
-def write_outputs(rows: list[dict], csv_path: Path | None, plot_path: Path | None) -> None:
-    if csv_path:
-        csv_path.parent.mkdir(parents=True, exist_ok=True)
-        with csv_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-    if plot_path:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot written", file=sys.stderr)
-            return
-        fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.6), 4))
-        labels = [f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}" for r in rows]
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["fwd_ms"] for r in rows], 0.4, label="forward")
-        ax.bar(
-            [x + 0.2 for x in xs], [r["fwd_bwd_ms"] for r in rows], 0.4, label="forward+backward"
-        )
-        ax.set_xticks(list(xs), labels, fontsize=6)
-        ax.set_ylabel("ms (median)")
-        ax.set_yscale("log")
-        ax.legend()
-        ax.set_title("sparse_attention")
-        fig.tight_layout()
-        plot_path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(plot_path, dpi=120)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dsa-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
-    p.add_argument("--tp", default=None, help="comma list of TP sizes (default: each model's)")
-    p.add_argument("--tokens", default=None, help="comma list of lengths (default: quick subset)")
-    p.add_argument("--full", action="store_true", help=f"every length {ALL_TOKENS}")
+def build_parser() -> argparse.ArgumentParser:
+    p = common.ArgumentParser(
+        prog="dsa-bench",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="Precision columns: on a GPU against the fp32 torch reference, on the CPU against "
+        "a dense float64 formulation (dsa_bench.dense).",
+    )
+    model_names = list(MODELS)
+    p.add_argument(
+        "--models",
+        type=common.comma_list(common.one_of(model_names, "model")),
+        default=model_names,
+        metavar="LIST",
+        help=f"comma list of {', '.join(model_names)} (default: all)",
+    )
+    p.add_argument(
+        "--tp",
+        type=common.comma_list(common.positive_int),
+        default=None,
+        metavar="LIST",
+        help="comma list of TP sizes, each dividing the models' heads (default: each model's "
+        f"own on a GPU, {CPU_TP[0]} on the CPU)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=common.comma_list(common.positive_int),
+        default=None,
+        metavar="LIST",
+        help=f"comma list of lengths (default: {csv_ints(QUICK_TOKENS)} on a GPU, "
+        f"{csv_ints(CPU_TOKENS)} on the CPU)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"every length: {csv_ints(ALL_TOKENS)} (unless --tokens)",
+    )
     p.add_argument(
         "--backends",
+        type=common.comma_list(common.one_of(FORWARD_BACKENDS, "forward backend")),
         default=None,
-        help=f"comma list of forward backends from {FORWARD_BACKENDS} (default: every GPU "
-        "backend usable here; a backend that would fall back to another one is skipped)",
+        metavar="LIST",
+        help=f"comma list of forward backends from {', '.join(FORWARD_BACKENDS)} (default: "
+        f"{', '.join(DEFAULT_BACKENDS)} on a GPU, torch on the CPU); one that would fall back "
+        "to another backend is skipped",
     )
-    p.add_argument("--check-max-tokens", type=int, default=8192, help="precision checks up to here")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
-    p.add_argument("--rep", type=int, default=5, help="timed calls (the median is reported)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--csv", type=Path, default=None, help="write the table as CSV here")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG bar plot here")
+    p.add_argument(
+        "--check-max-tokens",
+        type=common.nonnegative_int,
+        default=8192,
+        metavar="N",
+        help="precision checks up to this length (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=common.nonnegative_int,
+        default=2,
+        metavar="N",
+        help="untimed calls before timing (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rep",
+        type=common.positive_int,
+        default=5,
+        metavar="N",
+        help="timed calls, the median is reported (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random inputs")
+    p.add_argument(
+        "--csv", type=Path, default=None, metavar="PATH", help="write the table as CSV here"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write a PNG bar plot here (needs matplotlib)",
+    )
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--forward-only", action="store_true", help="time the forward alone")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, bool]:
+    """The arguments, checked against each other (usage errors exit 2), and whether the run
+    is on a GPU. ``args.models`` holds :class:`ModelShape` entries."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    args.models = [MODELS[name] for name in args.models]
+    for tp in args.tp or ():
+        bad = [m for m in args.models if m.heads % tp]
+        if bad:
+            parser.error(
+                f"argument --tp: {tp} does not divide the {bad[0].heads} heads of "
+                f"{', '.join(m.name for m in bad)}"
+            )
+    if not on_gpu:
+        if args.full and not args.tokens:
+            parser.error(
+                f"--full on the CPU runs the torch reference at up to {max(ALL_TOKENS)} tokens "
+                "(hours, and the dense float64 check alone would need terabytes); name the "
+                "lengths with --tokens, or run on a GPU"
+            )
+        if args.backends and args.backends != ["torch"]:
+            parser.error(
+                "argument --backends: only the torch backend runs on the CPU (the op runs its "
+                f"reference for CPU tensors), got {','.join(args.backends)}"
+            )
+    if args.plot:
+        common.require_matplotlib(parser, "--plot")
+    return args, on_gpu
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.cpu
+    args, on_gpu = parse_args(argv)
+    start = time.perf_counter()
     device = torch.device("cuda" if on_gpu else "cpu")
-    models = [MODELS[m] for m in args.models.split(",")]
-    backends = args.backends.split(",") if args.backends else ["tilelang", "flash_mla"]
     if args.tokens:
-        tokens = [int(t) for t in args.tokens.split(",")]
+        tokens = args.tokens
     else:
         tokens = list(ALL_TOKENS if args.full else QUICK_TOKENS if on_gpu else CPU_TOKENS)
+    backends = args.backends or (list(DEFAULT_BACKENDS) if on_gpu else ["torch"])
     if not on_gpu:
         print(
-            "dsa-bench: no GPU: running the torch backend on the CPU "
-            f"({tokens} tokens, TP=8 head counts unless --tp), precision vs the float64 reference"
+            f"dsa-bench: {'--cpu' if args.cpu else 'no GPU'}: the torch backend on the CPU "
+            f"at {', '.join(map(str, tokens))} tokens, TP {args.tp or list(CPU_TP)}; precision "
+            "against the dense float64 formulation",
+            flush=True,
         )
-        backends = ["torch"]
-    tp_arg = [int(t) for t in args.tp.split(",")] if args.tp else None
-    cases = [
-        (model, tp) for model in models for tp in tp_arg or (model.tp_sizes if on_gpu else (8,))
+    plans = [
+        plan_case(model, tp, backends, device)
+        for model in args.models
+        for tp in args.tp or (model.tp_sizes if on_gpu else CPU_TP)
     ]
     arch = device_arch(device) if on_gpu else None
     if arch is not None and arch.is_hopper:
-        built = precompile(cases, arch.major, tilelang_target(arch)["arch"])
-        print(f"dsa-bench: {built} TileLang kernels built", flush=True)
+        t0 = time.perf_counter()
+        built = build_kernels(plans, arch)
+        print(
+            f"dsa-bench: {built} TileLang kernels built in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     peak = bf16_peak_tflops(device)
     if peak:
         print(f"dsa-bench: {torch.cuda.get_device_name()} bf16 matmul ceiling {peak:.0f} TFLOP/s")
     rows = []
-    for model, tp in cases:
+    for plan in plans:
         for n in tokens:
-            for backend in usable(backends, model, tp, device):
-                rows.append(run_case(model, tp, n, backend, args, device, peak))
-                print("done:", *(fmt(rows[-1][c]) for c in COLUMNS[:8]), flush=True)
-    print_table(rows)
-    write_outputs(rows, args.csv, args.plot)
+            rows += run_case(plan, n, args, device, peak)
+            if on_gpu:
+                torch.cuda.empty_cache()
+    if not rows:
+        print("dsa-bench: no backend ran (see the skip lines above)", file=sys.stderr)
+        return 1
+    print()
+    common.print_table(rows, COLUMNS, drop_empty=True)
+    if args.csv:
+        print(f"wrote {common.write_csv(rows, args.csv, COLUMNS)}")
+    if args.plot:
+        print(f"wrote {plot(rows, args.plot)}")
+    print(f"dsa-bench: {len(rows)} rows in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -1,74 +1,91 @@
 """Sweep of the TileLang sparse-attention backward tilings on one GPU (rows for CONFIG_TABLE).
 
-    python benchmarks/sweep_sparse_backward.py [--tokens 16384] [--out DIR] [--quick]
+    python -m dsa_bench.sweep_backward [--tokens 16384] [--out DIR] [--quick] [--shapes glm5:8]
 
-For each model shape and TP-local head count, every candidate tiling that fits the shared
-memory of sm_90 (``block_i`` x ``num_stages`` x ``split_store`` x ``dkv_reduce`` x threads) is
-compiled up front (nvcc runs in parallel) and its backward alone is timed on the benchmark's
-causal indices (``dsa_sparse_attention.bench.benchmark_indices``), from the TileLang forward's
-``out`` and lse. dq / dkv of every candidate are compared with the default tiling's (rel_diff;
-the reference check itself is in the gpu tests, at small sizes). Prints one table and the best
-candidate per shape; writes ``sparse_backward_sweep.csv`` under ``--out``.
+For each model shape and TP-local head count, every candidate tiling (``block_i`` x
+``num_stages`` x ``split_store`` x ``dkv_reduce``) that the backward kernels accept for the
+shape (``check_backward_config``: shared memory of sm_90, warps per score tile) is compiled up
+front (nvcc runs in parallel) and its backward alone is timed on the benchmark's causal indices
+(:func:`dsa_bench.sparse_attention.benchmark_indices`), from the TileLang forward's ``out`` and
+lse. The table row of ``dsa_sparse_attention.config.CONFIG_TABLE`` for the shape is the
+default, timed first; dq / dkv of every candidate are compared with the default's (rel_diff;
+the reference check itself is in the gpu tests, at small sizes). Threads per program follow
+from the head count (``program_threads``; the ``threads`` column). Prints one table and the
+best candidate per shape; writes ``sparse_backward_sweep.csv`` under ``--out`` (default
+``benchmarks/results``).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import csv
 import itertools
 import os
 from pathlib import Path
 
 import torch
 from dsa_sparse_attention._tilelang import backward as bw
-from dsa_sparse_attention._tilelang.forward import sparse_attention_forward_tilelang
-from dsa_sparse_attention.bench import benchmark_indices
-from dsa_sparse_attention.models import MODELS
-from dsa_sparse_attention.reference import default_sm_scale
+from dsa_sparse_attention._tilelang import sparse_attention_forward_tilelang
+from dsa_sparse_attention.config import CONFIG_TABLE, SparseAttentionConfig
+from kernel_common import device_arch, tilelang_target
 from kernel_common.testing import rel_diff
-from kernel_common.timing import cuda_time_ms
+
+from dsa_bench import common
+from dsa_bench.models import MODELS, ModelShape
+from dsa_bench.sparse_attention import benchmark_indices
 
 # (model, TP) pairs: every TP-local head count of the table's Hopper rows, both widths.
 SHAPES = [("glm5", 1), ("glm5", 2), ("glm5", 4), ("glm5", 8), ("dsv4.1-flash-r1", 1)]
+TILING = ("block_i", "num_stages", "split_store", "dkv_reduce")
+COLUMNS = [
+    "model",
+    "tp",
+    "heads",
+    "tokens",
+    *TILING,
+    "threads",
+    "bwd_ms",
+    "rd_dq",
+    "rd_dkv",
+    "note",
+]
 
 
-def candidates(hg: int, dim: int, d_v: int, quick: bool) -> list[dict]:
-    """Tilings that compile for `hg` heads per group: the default first."""
-    block_i, stages, split = bw.default_tiling(hg)
-    default = dict(block_i=block_i, num_stages=stages, split_store=split, dkv_reduce="tma")
-    default["threads"] = bw.default_threads(hg)
-    grid = itertools.product(
-        (16, 32, 64),
-        (1, 2) if quick else (1, 2, 3),
-        (2, 4),
-        ("tma", "atomic"),
-        (128, 256, 512),
+def table_row(model: ModelShape, tp: int) -> SparseAttentionConfig:
+    """The config table's row for this shape on the current GPU."""
+    return CONFIG_TABLE.lookup(
+        arch_major=device_arch().major,
+        rope_tail=model.d_qk > model.d_v,
+        heads=model.local_heads(tp),
+    ).config
+
+
+def candidates(model: ModelShape, tp: int, quick: bool) -> list[dict]:
+    """Tilings the backward accepts for this shape: the table row's first."""
+    hg, dim, d_v = model.local_heads(tp), model.d_qk, model.d_v
+    row = table_row(model, tp)
+    default = dict(
+        block_i=row.backward_block_i,
+        num_stages=row.backward_stages,
+        split_store=row.split_store,
+        dkv_reduce=row.dkv_reduce,
     )
+    stages = (1, 2) if quick else (1, 2, 3)
+    grid = itertools.product((16, 32, 64), stages, (2, 4), ("tma", "atomic"))
     out = [default]
-    for block_i, stages, split, reduce, threads in grid:
-        spec = dict(
-            block_i=block_i,
-            num_stages=stages,
-            split_store=split,
-            dkv_reduce=reduce,
-            threads=threads,
-        )
-        max_warps = bw.head_block(hg) // 16 * (block_i // 8)
-        smem = bw.shared_memory_bytes(
-            hg, dim, d_v, block_i=block_i, num_stages=stages, split_store=split, dkv_reduce=reduce
-        )
-        if spec == default or threads // 32 > max_warps or smem > bw.SHARED_MEMORY_LIMIT:
+    for values in grid:
+        spec = dict(zip(TILING, values, strict=True))
+        if spec == default:
             continue
-        # Threads beyond what a head block can use, or below a warpgroup per 32 head rows,
-        # are known losers; keep the grid to what one GPU call can time.
-        if threads < bw.default_threads(hg) or (threads == 512 and bw.head_block(hg) < 64):
+        try:
+            bw.check_backward_config(hg, 1, dim, d_v, *values)
+        except ValueError:  # too much shared memory, or too few keys per warp
             continue
         out.append(spec)
     return out
 
 
-def time_shape(model, tp: int, args, failed: dict, device) -> list[dict]:
+def time_shape(model: ModelShape, tp: int, args, failed: dict, device) -> list[dict]:
     """Backward ms of every candidate for one shape, and its rel_diff to the default's."""
     heads, s = model.local_heads(tp), args.tokens
     gen = torch.Generator(device=device).manual_seed(0)
@@ -78,11 +95,22 @@ def time_shape(model, tp: int, args, failed: dict, device) -> list[dict]:
     do = torch.randn(1, s, heads, model.d_v, device=device, generator=gen).bfloat16()
     sink = torch.randn(heads, device=device, generator=gen) if model.sink else None
     idx = benchmark_indices(s, model.kv_ratio, model.topk, device, gen)
-    scale = default_sm_scale(model.d_qk)
-    out, lse2 = sparse_attention_forward_tilelang(q, kv, idx, sink, scale, model.d_v)
+    scale = 1.0 / model.d_qk**0.5
+    row_cfg = table_row(model, tp)
+    out, lse2 = sparse_attention_forward_tilelang(
+        q,
+        kv,
+        idx,
+        sink,
+        scale,
+        model.d_v,
+        block_i=row_cfg.forward_block_i,
+        num_stages=row_cfg.forward_stages,
+    )
     rows, base = [], None
-    for spec in candidates(heads, model.d_qk, model.d_v, args.quick):
+    for i, spec in enumerate(candidates(model, tp, args.quick)):
         row = dict(model=model.name, tp=tp, heads=heads, tokens=s, **spec)
+        row["threads"] = bw.program_threads(heads)
         key = (model.name, tp, repr(spec))
         if key in failed:
             rows.append(row | dict(bwd_ms=None, note=failed[key]))
@@ -95,53 +123,77 @@ def time_shape(model, tp: int, args, failed: dict, device) -> list[dict]:
             )
 
         grads = run()
-        base = grads if base is None else base
-        ms = cuda_time_ms(run, warmup=2, rep=args.rep)
+        if base is None:
+            base = grads  # the table row's (or, if it did not build, the first that did)
+        ms = common.time_ms(run, warmup=2, rep=args.rep)
         row |= dict(
             bwd_ms=round(ms, 3),
             rd_dq=f"{rel_diff(grads[0], base[0]):.1e}",
             rd_dkv=f"{rel_diff(grads[1], base[1]):.1e}",
-            note="default" if grads is base else "",
+            note="default" if i == 0 else "",
         )
         rows.append(row)
         print(row, flush=True)
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument("--shapes", default=None, help="e.g. glm5:1,glm5:8 (default: all)")
-    parser.add_argument("--rep", type=int, default=5)
-    args = parser.parse_args()
-    shapes = (
-        [(m, int(tp)) for m, tp in (s.split(":") for s in args.shapes.split(","))]
-        if args.shapes
-        else SHAPES
+def shape_arg(text: str) -> tuple[str, int]:
+    """argparse type: ``model:tp`` with a known model and a TP size dividing its heads."""
+    name, sep, tp_text = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected model:tp, got {text!r}")
+    common.one_of(list(MODELS), "model")(name)
+    tp = common.positive_int(tp_text)
+    if MODELS[name].heads % tp:
+        raise argparse.ArgumentTypeError(
+            f"TP {tp} does not divide the {MODELS[name].heads} heads of {name}"
+        )
+    return name, tp
+
+
+def main(argv=None) -> None:
+    parser = common.ArgumentParser(
+        prog="python -m dsa_bench.sweep_backward", description=__doc__.splitlines()[0]
     )
+    parser.add_argument("--tokens", type=common.positive_int, default=16384)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS_DIR,
+        help="folder of sparse_backward_sweep.csv (default: benchmarks/results)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smaller grid")
+    parser.add_argument(
+        "--shapes",
+        type=common.comma_list(shape_arg),
+        default=None,
+        help="model:tp pairs, e.g. glm5:1,glm5:8 (default: all)",
+    )
+    parser.add_argument("--rep", type=common.positive_int, default=5)
+    args = parser.parse_args(argv)
+    common.require_cuda("dsa_bench.sweep_backward")
+    shapes = args.shapes or SHAPES
     device = torch.device("cuda")
+    target = tilelang_target(device_arch(device))["arch"]
     jobs = []
     for name, tp in shapes:
-        model = MODELS[name]
-        hg = model.local_heads(tp)
-        for spec in candidates(hg, model.d_qk, model.d_v, args.quick):
+        for spec in candidates(MODELS[name], tp, args.quick):
             jobs.append((name, tp, spec))
     # Compile everything first: nvcc runs as a subprocess, so threads overlap the compiles.
     with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
         futures = {}
         for name, tp, spec in jobs:
             model = MODELS[name]
-            kwargs = dict(
-                heads=model.local_heads(tp),
-                groups=1,
-                dim=model.d_qk,
-                d_v=model.d_v,
-                topk=model.topk,
+            futures[(name, tp, repr(spec))] = pool.submit(
+                bw.compile_backward,
+                model.local_heads(tp),
+                1,
+                model.d_qk,
+                model.d_v,
+                model.topk,
                 **spec,
+                target=target,
             )
-            futures[(name, tp, repr(spec))] = pool.submit(bw.compile_backward, **kwargs)
         failed = {}
         for key, fut in futures.items():
             try:
@@ -155,20 +207,21 @@ def main() -> None:
         rows += time_shape(MODELS[name], tp, args, failed, device)
         torch.cuda.empty_cache()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    fields = [*dict.fromkeys(k for r in rows for k in r)]
-    with open(args.out / "sparse_backward_sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    path = common.write_csv(rows, args.out / "sparse_backward_sweep.csv", COLUMNS)
+    print(f"\nwrote {path}")
+    common.print_table(rows, COLUMNS)
     print("\nbest per shape (backward ms):")
     for name, tp in shapes:
         timed = [r for r in rows if r["model"] == name and r["tp"] == tp and r["bwd_ms"]]
-        default = next(r for r in timed if r["note"] == "default")
+        if not timed:
+            print(f"{name} TP{tp}: no candidate ran")
+            continue
+        default = next((r for r in timed if r["note"] == "default"), None)
         best = min(timed, key=lambda r: r["bwd_ms"])
-        spec = {k: best[k] for k in ("block_i", "num_stages", "split_store", "dkv_reduce")}
+        spec = {k: best[k] for k in TILING}
         print(
-            f"{name} TP{tp} ({best['heads']} heads): default {default['bwd_ms']} ms, "
+            f"{name} TP{tp} ({best['heads']} heads): "
+            f"default {default['bwd_ms'] if default else 'did not build'} ms, "
             f"best {best['bwd_ms']} ms with {spec} threads={best['threads']}"
         )
 

@@ -6,7 +6,9 @@ Cases (issue 3): 16k x 16k causal rows (row i ranges over [0, i + 1)), and 4096 
 (legal input for the kernel, which never reads there).
 
 Columns:
-* exact: whether ``ranged_topk_triton`` equals the torch reference (``topk.reference``) on the
+* exact: whether ``topk._triton.ranged_topk_triton`` (the launch that
+  ``topk._triton.launch_plan`` derives from the arch's ``TopkConfig`` row, as
+  :func:`topk.ranged_topk` runs it) equals the torch reference (``topk.reference``) on the
   whole output, -1 tail included (and how many rows differ if not);
 * ours: ``ranged_topk_triton``;
 * torch: ``torch.topk(sorted=False)`` on the scores with -inf outside the ranges, plus the sort
@@ -23,22 +25,23 @@ Bars: 16k causal at k 2048 <= 0.8 ms; the 4096-row cases at k 2048 within 2x of 
 case exact and faster than torch. Writes ``topk.csv`` and ``topk.png`` to ``--out`` (default
 ``benchmarks/results``) and prints the table last; exits non-zero if any case is not exact.
 
-Run: ``python benchmarks/bench_topk.py [--out DIR]`` on a CUDA machine;
-``python benchmarks/bench_topk.py --plot topk.csv`` redraws the PNG anywhere.
+Run ``python -m dsa_bench.topk [--out DIR]`` (``uv run python -m dsa_bench.topk`` in the
+workspace) on a CUDA machine; ``python -m dsa_bench.topk --plot topk.csv`` redraws the PNG
+anywhere (matplotlib: the ``plot`` extra).
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
 
 import torch
-from kernel_common.timing import cuda_graph_time_ms, cuda_time_ms
-from topk._triton import default_config, ranged_topk_triton
+from topk import TopkConfig, resolve_config
+from topk._triton import launch_plan, ranged_topk_triton
 from topk.reference import ranged_topk_reference
+
+from dsa_bench import common
 
 CASES = (
     ("causal 16k x 16k", 16384, 16384),
@@ -72,7 +75,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes moved (read + written) per second by a large device-to-device copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, rep=20)
+    ms = common.time_ms(lambda: dst.copy_(src), warmup=3, rep=20)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -90,6 +93,11 @@ def causal_block(rows: int, n: int, gen: torch.Generator):
     )
 
 
+def ours_topk(scores: torch.Tensor, k: int, lo, hi, config: TopkConfig) -> torch.Tensor:
+    """The Triton kernel as ``ranged_topk`` launches it (launch geometry planned per call)."""
+    return ranged_topk_triton(scores, k, lo, hi, launch_plan(config, scores.shape[1], k))
+
+
 def torch_baseline(masked: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.topk(masked, k, dim=1, sorted=False).indices
     return torch.sort(idx, dim=1).values
@@ -104,17 +112,37 @@ def bar_for(case: str, k: int, exact: bool, ours: float, torch_ms: float, read: 
     return "ok" if ok else "MISSED"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+TABLE = [
+    common.Column("case"),
+    common.Column("k"),
+    common.Column("exact", fmt=lambda v: "yes" if v else "NO"),
+    common.Column("ours_ms", "ours ms", "{:.3f}"),
+    common.Column("ours_eager_ms", "eager ms", "{:.3f}"),
+    common.Column("torch_ms", "torch ms", "{:.3f}"),
+    common.Column("read_ms", "read ms", "{:.3f}"),
+    common.Column("speedup_vs_torch", "torch/ours", "{:.2f}"),
+    common.Column("ours_over_read", "ours/read", "{:.2f}"),
+    common.Column("bar"),
+]
+
+
+def main(argv=None) -> None:
+    parser = common.ArgumentParser(
+        prog="python -m dsa_bench.topk", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS_DIR,
+        help="folder of topk.csv and topk.png (default: benchmarks/results)",
+    )
     parser.add_argument("--plot", type=Path, metavar="CSV", help="only redraw topk.png from a CSV")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
     if args.plot:
-        plot(read_csv(args.plot), args.out / "topk.png")
+        common.require_matplotlib(parser, "--plot")
+        print(f"wrote {plot(read_csv(args.plot), args.out / 'topk.png')}")
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_topk needs a CUDA GPU (or --plot CSV)")
+    common.require_cuda("dsa_bench.topk", " (or --plot CSV)")
 
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -122,14 +150,15 @@ def main() -> None:
     results: list[Row] = []
     for case, rows, n in CASES:
         scores, masked, lo, hi = causal_block(rows, n, gen)
+        config = resolve_config(scores).config  # the arch's table row
         read_ms = float((hi - lo).sum()) * scores.element_size() / bandwidth * 1e3
         for k in K_VALUES:
-            got = ranged_topk_triton(scores, k, lo, hi)  # compiles outside the timing
+            got = ours_topk(scores, k, lo, hi, config)  # compiles outside the timing
             differing = int((got != ranged_topk_reference(scores, k, lo, hi)).any(dim=1).sum())
-            run = partial(ranged_topk_triton, scores, k, lo, hi)
-            ours = cuda_graph_time_ms(run, warmup=5, rep=30)
-            eager = cuda_time_ms(run, warmup=3, rep=30)
-            base = cuda_graph_time_ms(partial(torch_baseline, masked, k), warmup=3, rep=10)
+            run = partial(ours_topk, scores, k, lo, hi, config)
+            ours_ms = common.time_ms(run, warmup=5, rep=30, graph=True)
+            eager = common.time_ms(run, warmup=3, rep=30)
+            base = common.time_ms(partial(torch_baseline, masked, k), warmup=3, rep=10, graph=True)
             exact = differing == 0
             row = Row(
                 case=case,
@@ -138,18 +167,18 @@ def main() -> None:
                 k=k,
                 exact=exact,
                 rows_differing=differing,
-                ours_ms=ours,
+                ours_ms=ours_ms,
                 ours_eager_ms=eager,
                 torch_ms=base,
                 read_ms=read_ms,
-                speedup_vs_torch=base / ours,
-                ours_over_read=ours / read_ms,
-                bar=bar_for(case, k, exact, ours, base, read_ms),
-                config=str(default_config(n, k)),
+                speedup_vs_torch=base / ours_ms,
+                ours_over_read=ours_ms / read_ms,
+                bar=bar_for(case, k, exact, ours_ms, base, read_ms),
+                config=str(launch_plan(config, n, k)),
             )
             results.append(row)
             print(
-                f"{case:20s} k={k:5d}: {ours:.3f} ms (eager {eager:.3f}, torch {base:.3f},"
+                f"{case:20s} k={k:5d}: {ours_ms:.3f} ms (eager {eager:.3f}, torch {base:.3f},"
                 f" read {read_ms:.3f})"
                 f"{'' if exact else f', {differing} rows differ from the reference'}",
                 flush=True,
@@ -157,65 +186,41 @@ def main() -> None:
         del scores, masked
         torch.cuda.empty_cache()
 
-    with open(args.out / "topk.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[field.name for field in fields(Row)])
-        writer.writeheader()
-        for row in results:
-            writer.writerow(asdict(row))
-    print(f"\nwrote {args.out / 'topk.csv'}")
+    path = common.write_csv([asdict(r) for r in results], args.out / "topk.csv")
+    print(f"\nwrote {path}")
     try:
-        plot(results, args.out / "topk.png")
-        print(f"wrote {args.out / 'topk.png'}")
+        print(f"wrote {plot(results, args.out / 'topk.png')}")
     except ImportError:  # a GPU host without matplotlib: draw it later with --plot
         print("matplotlib missing: redraw the PNG elsewhere with --plot topk.csv")
 
-    head = f"{'case':20s} {'k':>5s} {'exact':>5s} {'ours ms':>8s} {'eager ms':>8s} {'torch ms':>9s}"
-    print("\n" + head + f" {'read ms':>8s} {'torch/ours':>10s} {'ours/read':>9s}  bar")
-    for r in results:
-        print(
-            f"{r.case:20s} {r.k:5d} {'yes' if r.exact else 'NO':>5s} {r.ours_ms:8.3f} "
-            f"{r.ours_eager_ms:8.3f} {r.torch_ms:9.3f} {r.read_ms:8.3f} "
-            f"{r.speedup_vs_torch:10.2f} {r.ours_over_read:9.2f}  {r.bar}"
-        )
+    print()
+    common.print_table([asdict(r) for r in results], TABLE)
     if not all(r.exact for r in results):
         raise SystemExit("some cases differ from the reference")
 
 
 def read_csv(path: Path) -> list[Row]:
     """Rows of a ``topk.csv`` written by :func:`main`."""
-    kinds = {field.name: field.type for field in fields(Row)}
     parse = {"int": int, "float": float, "bool": lambda v: v == "True", "str": str}
-    with open(path, newline="") as f:
-        return [
-            Row(**{k: parse[kinds[k]](v) for k, v in line.items()}) for line in csv.DictReader(f)
-        ]
+    types = {field.name: parse[field.type] for field in fields(Row)}
+    return [Row(**r) for r in common.read_csv(path, types)]
 
 
-def plot(results: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r.case}\nk={r.k}" for r in results]
-    x = range(len(results))
-    width = 0.27
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(results)), 4.8))
-    series = (
-        ("ours (Triton)", [r.ours_ms for r in results]),
-        ("torch.topk + index sort", [r.torch_ms for r in results]),
-        ("one read of the ranges", [r.read_ms for r in results]),
+def plot(results: list[Row], path: Path) -> Path:
+    return common.bar_plot(
+        path,
+        [f"{r.case}\nk={r.k}" for r in results],
+        [
+            ("ours (Triton)", [r.ours_ms for r in results]),
+            ("torch.topk + index sort", [r.torch_ms for r in results]),
+            ("one read of the ranges", [r.read_ms for r in results]),
+        ],
+        ylabel="ms (median of CUDA-graph replays)",
+        title="ranged top-k, fp32 scores (read: in-range bytes at the measured copy rate)",
+        figsize=(max(8, 1.3 * len(results)), 4.8),
+        legend_fontsize=8,
+        dpi=130,
     )
-    for i, (name, values) in enumerate(series):
-        ax.bar([j + (i - 1) * width for j in x], values, width, label=name)
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("ms (median of CUDA-graph replays)")
-    ax.set_yscale("log")
-    ax.set_title("ranged top-k, fp32 scores (read: in-range bytes at the measured copy rate)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
