@@ -27,6 +27,9 @@ as rows for ``dsa_indexer.config.INDEXER_CONFIGS``. ``--backward-sweep`` times t
 variants (pipeline stages, ``backward_rotate``, ``backward_dk_split``) per head count on 16k
 causal, 16k packed8 and 4k causal, and prints the best per head count. ``--window-sweep`` times
 the backward in one pass and in passes of ``backward_key_window`` keys on long inputs.
+``--lightning`` times ``lightning_indexer`` end to end (forward, forward+backward, peak memory)
+with the default logits budget and with the whole logits, causal and packed8 at every length
+and a context-parallel shard (16k queries, 128k keys): ``indexer_lightning.csv`` / ``.png``.
 """
 
 from __future__ import annotations
@@ -392,6 +395,117 @@ def window_sweep():
         torch.cuda.empty_cache()
 
 
+LIGHTNING_COLUMNS = [
+    common.Column("layout"),
+    common.Column("T"),
+    common.Column("T_kv"),
+    common.Column("budget"),
+    common.Column("block_rows"),
+    common.Column("fwd_ms", fmt="{:.2f}"),
+    common.Column("fwd_bwd_ms", fmt="{:.2f}"),
+    common.Column("logits_tflops", fmt="{:.0f}"),
+    common.Column("peak_extra_gib", fmt="{:.2f}"),
+    common.Column("same_indices"),
+]
+
+
+def _lightning_cases():
+    """(layout, T, T_kv, cu_seqlens length, query_offset): causal and packed8 at every length,
+    and a context-parallel shard: the last 16k queries of one 128k sequence against its keys."""
+    cases = [(layout, t, t, t, 0) for t in TOKENS for layout in LAYOUTS]
+    cases.append(("cp_shard", 16384, 131072, 131072, 131072 - 16384))
+    return cases
+
+
+def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
+    from dsa_indexer import lightning_indexer
+    from dsa_indexer._ops import DEFAULT_LOGITS_BUDGET, _block_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
+    k = torch.randn(t_kv, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(t, HEADS, device="cuda", generator=g) / HEADS**0.5).requires_grad_()
+    n_seq = LAYOUTS.get(layout, 1)
+    cu = torch.arange(0, seq_len + 1, seq_len // n_seq, device="cuda", dtype=torch.int32)
+    starts, ends = causal_ranges(cu, t, query_offset=offset)
+    pairs = int((ends - starts).clamp(min=0).sum())
+    grad = torch.randn(t, TOPK, device="cuda", generator=g)
+    picked = None
+    for budget_name, budget in (("default", DEFAULT_LOGITS_BUDGET), ("whole", 4 * t * t_kv)):
+
+        def forward(budget=budget):
+            return lightning_indexer(q, k, w, starts, ends, TOPK, logits_budget_bytes=budget)
+
+        def forward_backward(forward=forward):
+            scores, _ = forward()
+            torch.autograd.backward(scores, torch.where(torch.isfinite(scores), grad, 0.0))
+            q.grad = k.grad = w.grad = None
+
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        with torch.no_grad():
+            indices = forward()[1]
+        fwd = common.time_ms(forward, **reps(t))
+        fb = common.time_ms(forward_backward, **reps(t))
+        row = {
+            "layout": layout,
+            "T": t,
+            "T_kv": t_kv,
+            "budget": budget_name,
+            "block_rows": min(t, _block_rows("bench", t_kv, budget)),
+            "fwd_ms": fwd,
+            "fwd_bwd_ms": fb,
+            "logits_tflops": 2.0 * HEADS * DIM * pairs / fwd / 1e9,
+            "peak_extra_gib": peak / 2**30,
+        }
+        if picked is None:
+            picked = indices
+        else:
+            row["same_indices"] = bool(torch.equal(picked, indices))
+        del indices
+        rows.append(row)
+        print(common.named(row, [c.key for c in LIGHTNING_COLUMNS]), flush=True)
+
+
+def lightning(out: Path):
+    """``lightning_indexer`` forward and forward+backward (topk 2048) with the default logits
+    budget and with one block of all rows (the whole logits, as before the budget existed):
+    time, logits TFLOP/s over in-range pairs and peak extra memory (max_memory_allocated above
+    the inputs). The one-block indices are checked equal to the default budget's."""
+    rows = []
+    for case in _lightning_cases():
+        _lightning_case(*case, rows)
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\nwrote {common.write_csv(rows, out / 'indexer_lightning.csv')}")
+    try:
+        labels = [f"{r['layout']}\n{r['T'] // 1024}k {r['budget']}" for r in rows]
+        path = common.bar_plot(
+            out / "indexer_lightning.png",
+            labels,
+            [
+                ("fwd ms", [r["fwd_ms"] for r in rows]),
+                ("fwd+bwd ms", [r["fwd_bwd_ms"] for r in rows]),
+                ("peak extra GiB", [r["peak_extra_gib"] for r in rows]),
+            ],
+            ylabel="ms / GiB",
+            title="lightning_indexer (32 heads x 128, topk 2048): default budget vs whole logits",
+            figsize=(max(8, len(rows) * 0.55), 4.5),
+            label_fontsize=6,
+        )
+        print(f"wrote {path}")
+    except ImportError:
+        print("matplotlib missing: no PNG")
+    print("bars: peak extra <= 2 GiB at 128k, <= 1.5 GiB at 64k; fwd+bwd no slower than before")
+    common.print_table(rows, LIGHTNING_COLUMNS)
+
+
 def main(argv=None):
     parser = common.ArgumentParser(
         prog="python -m dsa_bench.indexer", description=__doc__.split("\n\n")[0]
@@ -415,6 +529,11 @@ def main(argv=None):
         help="time the backward in one pass and in key windows on long inputs instead",
     )
     modes.add_argument(
+        "--lightning",
+        action="store_true",
+        help="time lightning_indexer (bounded logits budget vs whole logits) and its memory",
+    )
+    modes.add_argument(
         "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
     )
     args = parser.parse_args(argv)
@@ -431,6 +550,9 @@ def main(argv=None):
         return
     if args.window_sweep:
         window_sweep()
+        return
+    if args.lightning:
+        lightning(args.out)
         return
     lookup = table_config(HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")

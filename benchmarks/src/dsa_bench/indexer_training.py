@@ -1,0 +1,142 @@
+"""Benchmark of the indexer's training ops: ``sparse_attention_probs`` and ``indexer_kl_loss``.
+
+    python -m dsa_bench.indexer_training [--tokens 4096,16384,65536] [--out DIR]
+
+At the model shapes (glm5 at 64 and 8 heads, dsv4.1-flash-r1 with its sink at 64 and 8 heads)
+and the benchmark's causal indices (as ``dsa-bench`` builds them), it times the sparse-attention
+forward (the table's config), ``sparse_attention_probs`` from that forward's lse (its ratio to
+the forward: the bar is <= 0.5 at glm5 64 heads 16k) and ``indexer_kl_loss`` forward+backward on
+``[T, topk]`` (bar <= 0.3 ms at 16k x 2048), CUDA-graph replays for the loss. Up to 16k tokens the
+target is checked against the fp32 torch reference (rel_diff, bar 1e-5). Writes
+``indexer_training.csv`` / ``.png`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+from dsa_indexer import indexer_kl_loss
+from dsa_sparse_attention import sparse_attention, sparse_attention_probs
+from dsa_sparse_attention.reference import default_sm_scale, sparse_attention_probs_reference
+from kernel_common.testing import rel_diff
+
+from dsa_bench import common
+from dsa_bench.models import MODELS
+from dsa_bench.sparse_attention import benchmark_indices
+
+CASES = (("glm5", 1), ("glm5", 8), ("dsv4.1-flash-r1", 1), ("dsv4.1-flash-r1", 8))
+TOKENS = (4096, 16384, 65536)
+CHECK_MAX_TOKENS = 16384
+COLUMNS = [
+    common.Column("model"),
+    common.Column("tp"),
+    common.Column("heads"),
+    common.Column("tokens"),
+    common.Column("fwd_ms", fmt="{:.3f}"),
+    common.Column("probs_ms", fmt="{:.3f}"),
+    common.Column("probs_over_fwd", fmt="{:.2f}"),
+    common.Column("probs_tflops", fmt="{:.0f}"),
+    common.Column("kl_fwd_bwd_ms", fmt="{:.3f}"),
+    common.Column("kl_gbps", fmt="{:.0f}"),
+    common.Column("rd_probs"),
+]
+
+
+def run_case(name: str, tp: int, tokens: int) -> dict:
+    model = MODELS[name]
+    heads = model.local_heads(tp)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s_kv = tokens * model.kv_ratio
+    q = torch.randn(1, tokens, heads, model.d_qk, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(1, s_kv, 1, model.d_qk, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(heads, device="cuda", generator=gen) if model.sink else None
+    idx = benchmark_indices(tokens, model.kv_ratio, model.topk, "cuda", gen)
+
+    def forward():
+        return sparse_attention(q, kv, idx, d_v=model.d_v, attn_sink=sink, return_lse=True)
+
+    with torch.no_grad():
+        _, lse = forward()
+        fwd_ms = common.time_ms(forward)
+        probs_ms = common.time_ms(lambda: sparse_attention_probs(q, kv, idx, lse))
+        target = sparse_attention_probs(q, kv, idx, lse)
+    pairs = float((idx >= 0).sum()) * heads
+    row = {
+        "model": name,
+        "tp": tp,
+        "heads": heads,
+        "tokens": tokens,
+        "fwd_ms": fwd_ms,
+        "probs_ms": probs_ms,
+        "probs_over_fwd": probs_ms / fwd_ms,
+        "probs_tflops": pairs * 2 * model.d_qk / probs_ms / 1e9,
+    }
+    if tokens <= CHECK_MAX_TOKENS:
+        want = sparse_attention_probs_reference(q, kv, idx, lse, default_sm_scale(model.d_qk))
+        row["rd_probs"] = rel_diff(target, want)
+        del want
+
+    scores = torch.randn(tokens, model.topk, device="cuda", generator=gen)
+    scores = scores.where(idx[0, :, 0] >= 0, float("-inf")).requires_grad_()
+    t2 = target[0, :, 0].contiguous()
+
+    def kl_step():
+        loss = indexer_kl_loss(scores, t2)
+        loss.backward()
+        scores.grad = None
+
+    row["kl_fwd_bwd_ms"] = common.time_ms(kl_step, graph=True)
+    # Bytes: forward reads scores and target, backward reads both again and writes the grad.
+    row["kl_gbps"] = 5 * scores.numel() * 4 / row["kl_fwd_bwd_ms"] / 1e6
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    labels = [f"{r['model']}\nTP{r['tp']} {r['tokens'] // 1024}k" for r in rows]
+    return common.bar_plot(
+        path,
+        labels,
+        [
+            ("sparse_attention forward", [r["fwd_ms"] for r in rows]),
+            ("sparse_attention_probs", [r["probs_ms"] for r in rows]),
+            ("indexer_kl_loss fwd+bwd", [r["kl_fwd_bwd_ms"] for r in rows]),
+        ],
+        ylabel="ms (median)",
+        title="indexer training ops (H200)",
+        figsize=(max(8, len(rows) * 0.7), 4.5),
+    )
+
+
+def main(argv=None) -> None:
+    parser = common.ArgumentParser(
+        prog="python -m dsa_bench.indexer_training", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--tokens",
+        type=common.comma_list(common.positive_int),
+        default=list(TOKENS),
+        help="comma list of lengths (default 4096,16384,65536)",
+    )
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="results folder")
+    args = parser.parse_args(argv)
+    common.require_cuda("dsa_bench.indexer_training")
+    rows = []
+    for name, tp in CASES:
+        for tokens in args.tokens:
+            rows.append(run_case(name, tp, tokens))
+            print(common.named(rows[-1], [c.key for c in COLUMNS]), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"\nwrote {common.write_csv(rows, args.out / 'indexer_training.csv')}")
+    try:
+        print(f"wrote {plot(rows, args.out / 'indexer_training.png')}")
+    except ImportError:
+        print("matplotlib missing: no PNG")
+    print("bars: probs <= 0.5x forward at glm5 64 heads 16k; kl fwd+bwd <= 0.3 ms at 16k x 2048")
+    common.print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
