@@ -14,6 +14,7 @@ target is checked against the fp32 torch reference (rel_diff, bar 1e-5). Writes
 from __future__ import annotations
 
 import gc
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,6 +94,42 @@ def run_case(name: str, tp: int, tokens: int) -> dict:
     return row
 
 
+def probs_sweep(tokens: int = 16384) -> None:
+    """Time the probs kernel's launch parameters (keys per step, warps, stages) at glm5 64 and
+    8 heads, and print the fastest per head count (the module constants of
+    ``dsa_sparse_attention._triton.probs`` are swapped for each candidate)."""
+    from dsa_sparse_attention._triton import probs as kernel
+
+    model = MODELS["glm5"]
+    for tp in (1, 8):
+        heads = model.local_heads(tp)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, tokens, heads, model.d_qk, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(1, tokens, 1, model.d_qk, device="cuda", generator=gen).bfloat16()
+        idx = benchmark_indices(tokens, 1, model.topk, "cuda", gen)
+        with torch.no_grad():
+            _, lse = sparse_attention(q, kv, idx, d_v=model.d_v, return_lse=True)
+        call = partial(sparse_attention_probs, q, kv, idx, lse)
+        want = call()
+        results = []
+        for block_k in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    kernel._BLOCK_K, kernel._WARPS, kernel._STAGES = block_k, warps, stages
+                    try:
+                        got = call()
+                        ms = common.time_ms(call)
+                    except Exception as e:  # e.g. out of shared memory for this candidate
+                        print(f"heads={heads} {block_k}/{warps}/{stages}: {type(e).__name__}")
+                        continue
+                    results.append((ms, block_k, warps, stages, rel_diff(got, want)))
+                    print(f"heads={heads} block_k={block_k} warps={warps} stages={stages}: "
+                          f"{ms:.3f} ms", flush=True)  # fmt: skip
+        best = min(results)
+        print(f"best at {heads} heads: {best[0]:.3f} ms block_k={best[1]} warps={best[2]} "
+              f"stages={best[3]} (rel_diff vs the default {best[4]:.1e})", flush=True)  # fmt: skip
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     labels = [f"{r['model']}\nTP{r['tp']} {r['tokens'] // 1024}k" for r in rows]
     return common.bar_plot(
@@ -120,8 +157,14 @@ def main(argv=None) -> None:
         help="comma list of lengths (default 4096,16384,65536)",
     )
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="results folder")
+    parser.add_argument(
+        "--probs-sweep", action="store_true", help="time the probs kernel's launch candidates"
+    )
     args = parser.parse_args(argv)
     common.require_cuda("dsa_bench.indexer_training")
+    if args.probs_sweep:
+        probs_sweep()
+        return
     rows = []
     for name, tp in CASES:
         for tokens in args.tokens:
