@@ -5,6 +5,7 @@ import torch
 from dsa_indexer import causal_ranges
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import cu_seqlens
 
 
 def naive(lens, ratio, offset, total):
@@ -19,12 +20,8 @@ def naive(lens, ratio, offset, total):
     return starts, ends
 
 
-def cu_of(lens, dtype=torch.int32):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype)
-
-
 def test_packed_causal():
-    starts, ends = causal_ranges(cu_of([3, 1, 4]), 8)
+    starts, ends = causal_ranges(cu_seqlens([3, 1, 4]), 8)
     assert starts.tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
     assert ends.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert starts.dtype == ends.dtype == torch.int32
@@ -35,7 +32,9 @@ def test_ratio_and_offset():
     for ratio in (1, 2, 4):
         for offset in (0, 3, 6):
             total = sum(lens) - offset
-            s, e = causal_ranges(cu_of(lens, torch.int64), total, ratio=ratio, query_offset=offset)
+            s, e = causal_ranges(
+                cu_seqlens(lens, torch.int64), total, ratio=ratio, query_offset=offset
+            )
             assert (s.tolist(), e.tolist()) == naive(lens, ratio, offset, total)
 
 
@@ -49,14 +48,14 @@ def test_hypothesis(lens, ratio, data):
     n = sum(lens)
     offset = data.draw(st.integers(0, n))
     total = data.draw(st.integers(0, n - offset))
-    s, e = causal_ranges(cu_of(lens), total, ratio=ratio, query_offset=offset)
+    s, e = causal_ranges(cu_seqlens(lens), total, ratio=ratio, query_offset=offset)
     assert (s.tolist(), e.tolist()) == naive(lens, ratio, offset, total)
 
 
 def test_agrees_with_fla_position_and_sequence_ids():
     from fla.ops.utils.index import prepare_position_ids, prepare_sequence_ids
 
-    cu = cu_of([1, 7, 1, 1, 12], torch.int64)
+    cu = cu_seqlens([1, 7, 1, 1, 12], torch.int64)
     starts, ends = causal_ranges(cu, int(cu[-1]))
     pos = prepare_position_ids(cu)
     seq = prepare_sequence_ids(cu)
@@ -65,7 +64,7 @@ def test_agrees_with_fla_position_and_sequence_ids():
 
 
 def test_validation():
-    cu = cu_of([2, 2])
+    cu = cu_seqlens([2, 2])
     with pytest.raises(TypeError, match="cu_seqlens must have dtype int32 or int64"):
         causal_ranges(cu.float(), 4)
     with pytest.raises(ValueError, match=r"cu_seqlens must have shape \[N \+ 1\]"):
@@ -83,7 +82,7 @@ def test_validation():
 def test_compiles_without_graph_breaks():
     fn = torch.compile(causal_ranges, fullgraph=True, dynamic=True)
     for lens in ([3, 4], [1, 1, 9]):
-        cu = cu_of(lens)
+        cu = cu_seqlens(lens)
         total = sum(lens)
         got = fn(cu, total, ratio=2)
         want = causal_ranges(cu, total, ratio=2)

@@ -4,18 +4,15 @@ import pytest
 import torch
 from dsa_indexer import _ops as indexer_ops
 from dsa_indexer import causal_ranges, lightning_indexer, reference
+from support import cu_seqlens, indexer_inputs, seeded_gen
 from topk.reference import ranged_topk_reference
 
 
 def _inputs(lens, ratio, offset, heads=4, d=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     total = sum(lens) - offset
     t_kv = sum(n // ratio for n in lens)
-    q = torch.randn(total, heads, d, generator=gen).bfloat16()
-    k = torch.randn(t_kv, d, generator=gen).bfloat16()
-    w = torch.randn(total, heads, generator=gen)
-    starts, ends = causal_ranges(cu, total, ratio=ratio, query_offset=offset)
+    q, k, w = indexer_inputs(total, t_kv, heads, d, seeded_gen("bounded", seed))
+    starts, ends = causal_ranges(cu_seqlens(lens), total, ratio=ratio, query_offset=offset)
     return q, k, w, starts, ends
 
 

@@ -1,27 +1,41 @@
-"""sparse_attention entry: validation, dispatch and config table, custom ops, torch.compile."""
+"""sparse_attention entry: validation, config and its resolution, the guard that refuses a tiling
+before any launch, custom ops (log2 lse inside), torch.compile, precompile."""
 
 import dataclasses
 
 import pytest
 import torch
-from dsa_sparse_attention import SparseAttentionConfig, sparse_attention
-from dsa_sparse_attention._ops import resolve_config
-from dsa_sparse_attention.config import CONFIG_TABLE
-from kernel_common import ARCH_ENV
+from dsa_bench.dense import dense_attention
+from dsa_sparse_attention import (
+    AttentionShape,
+    SparseAttentionConfig,
+    _flash_mla,
+    precompile,
+    resolve_config,
+    sparse_attention,
+)
+from dsa_sparse_attention._ops import _check_runnable
+from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG
+from kernel_common import ARCH_ENV, Arch
+from kernel_common.constants import LN2
+from kernel_common.testing import assert_close
+from support import attention_indices, attention_inputs, fake_cuda, seeded_gen
+
+HOPPER = Arch("cuda", 9, 0)
 
 
-def make(b=1, s=6, h=4, g=1, d=40, topk=5, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, h, d, generator=gen).bfloat16()
-    kv = torch.randn(b, s, g, d, generator=gen).bfloat16()
-    idx = torch.randint(-1, s, (b, s, g, topk), generator=gen, dtype=torch.int32)
-    return q, kv, idx
+def make(b=1, s=6, h=4, g=1, d=40, topk=5, seed=0, sink=False):
+    gen = seeded_gen("api", b, s, h, g, d, topk, seed)
+    q, kv, attn_sink = attention_inputs(b, s, s, h, g, d, gen, sink=sink)
+    return q, kv, attention_indices(b, s, g, topk, s, "mixed", gen).clamp(-1, s - 1), attn_sink
+
+
+def _fields(config: SparseAttentionConfig) -> tuple:
+    return tuple(getattr(config, f.name) for f in dataclasses.fields(config))
 
 
 def test_validation_messages():
-    q, kv, idx = make(h=4, g=2, d=40)
-    kv = torch.randn(1, 6, 2, 40).bfloat16()
-    idx = torch.randint(0, 6, (1, 6, 2, 5), dtype=torch.int32)
+    q, kv, idx, _ = make(h=4, g=2, d=40)
     cases = [
         (dict(q=q.float()), TypeError, "q must have dtype bfloat16, got float32"),
         (dict(q=q[0]), ValueError, r"q must have shape \[B, S, H, D\]"),
@@ -39,7 +53,7 @@ def test_validation_messages():
             r"indices must have shape \[B=1, S=6, G=2, topk\]",
         ),
         (dict(indices=idx[..., :0]), ValueError, "topk >= 1"),
-        (dict(indices=idx + 6), ValueError, r"indices must lie in \[-1, S_kv=6\)"),
+        (dict(indices=idx + 7), ValueError, r"indices must lie in \[-1, S_kv=6\)"),
         (dict(indices=idx - 8), ValueError, r"indices must lie in \[-1, S_kv=6\)"),
         (dict(d_v=41), ValueError, "d_v=41 must not exceed the q/kv width D=40"),
         (dict(d_v=0), ValueError, "d_v must be >= 1"),
@@ -56,53 +70,183 @@ def test_validation_messages():
 
 @pytest.mark.gpu
 def test_device_mismatch():
-    q, kv, idx = make()
+    q, kv, idx, _ = make()
     with pytest.raises(ValueError, match="kv is on cpu, expected cuda"):
         sparse_attention(q.cuda(), kv, idx.cuda())
 
 
+# --------------------------------------------------------------------------- config
+
+
 def test_config_validation():
-    with pytest.raises(ValueError, match="forward_backend must be one of"):
-        SparseAttentionConfig(forward_backend="cudnn")
-    with pytest.raises(ValueError, match="forward_block_i must be a positive int"):
-        SparseAttentionConfig(forward_block_i=0)
-    cfg = SparseAttentionConfig(forward_block_i=32, split_store=4)
-    assert SparseAttentionConfig.from_json(cfg.to_json()) == cfg
+    cases = [
+        (dict(forward_backend="cudnn"), "SparseAttentionConfig.forward_backend must be one of"),
+        (dict(backward_backend="flash_mla"), "SparseAttentionConfig.backward_backend"),
+        (dict(dkv_reduce="bf16"), "SparseAttentionConfig.dkv_reduce"),
+        (dict(forward_block_i=0), "SparseAttentionConfig.forward_block_i must be a positive int"),
+        (dict(backward_stages=None), "SparseAttentionConfig.backward_stages"),
+        (dict(split_store=True), "SparseAttentionConfig.split_store"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            SparseAttentionConfig(**kwargs)
 
 
-def test_cpu_dispatch_uses_torch_and_caller_config_wins(monkeypatch):
-    monkeypatch.delenv(ARCH_ENV, raising=False)
-    q, _, _ = make()
-    picked = resolve_config(q, 32, None)
-    assert picked.config.forward_backend == "torch" and picked.source == "cpu"
-    mine = SparseAttentionConfig(split_store=4)
-    assert resolve_config(q, 32, mine).config is mine
+def test_defaults_are_the_tilelang_kernels():
+    """Every field explicit, the defaults the library's TileLang kernels: changing one field on
+    a GPU keeps them (it does not fall back to the torch backend)."""
+    assert dataclasses.asdict(SparseAttentionConfig()) == dict(
+        forward_backend="tilelang",
+        backward_backend="tilelang",
+        forward_block_i=64,
+        forward_stages=2,
+        backward_block_i=32,
+        backward_stages=1,
+        split_store=2,
+        dkv_reduce="tma",
+    )
+    one = SparseAttentionConfig(backward_block_i=64)
+    assert (one.forward_backend, one.backward_backend) == ("tilelang", "tilelang")
+    assert dataclasses.replace(one, backward_block_i=32) == SparseAttentionConfig()
 
 
-def test_table_keys_and_every_config_runs(monkeypatch):
+def test_resolve_config_on_cpu_is_the_torch_reference(monkeypatch):
+    """CPU tensors run the torch reference whatever the caller passes or the arch claims."""
+    q, kv, _, _ = make()
+    for arch in (None, "sm_90"):
+        if arch is None:
+            monkeypatch.delenv(ARCH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ARCH_ENV, arch)
+        found = resolve_config(q, kv, d_v=32)
+        assert found.config == TORCH_CONFIG and found.source.startswith("cpu tensors")
+        mine = resolve_config(q, kv, d_v=32, config=SparseAttentionConfig(split_store=4))
+        assert mine.config == TORCH_CONFIG and mine.source.startswith("cpu tensors")
+        assert "CUDA tensors only" in mine.source
+    assert (TORCH_CONFIG.forward_backend, TORCH_CONFIG.backward_backend) == ("torch", "torch")
+
+
+def test_resolve_config_on_cuda(monkeypatch):
+    """CUDA tensors: the caller's config or the (arch, RoPE tail, heads bucket) row, with a
+    FlashMLA forward replaced by the one that runs where FlashMLA cannot."""
+    q, kv = fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576)
+    monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
     monkeypatch.setenv(ARCH_ENV, "sm_90")
-    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-    # With an arch override even CPU tensors go through the table lookup.
-    picked = resolve_config(q, 512, None)
-    assert picked.key == (("arch_major", 9), ("rope_tail", True), ("heads", 16))
-    monkeypatch.delenv(ARCH_ENV)
-    q, kv, idx = make()
-    outs = [sparse_attention(q, kv, idx, d_v=32, config=c) for c in CONFIG_TABLE.configs()]
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    assert all(dataclasses.is_dataclass(c) for c in CONFIG_TABLE.configs())
+    found = resolve_config(q, kv)
+    assert found.key == (("arch_major", 9), ("rope_tail", True), ("heads", 16))
+    assert found.source.startswith("row (measured H200")
+    assert found.config.forward_backend == "tilelang"
+    assert resolve_config(q, kv, d_v=576).key[1] == ("rope_tail", False)
+    mine = SparseAttentionConfig(split_store=4)
+    assert resolve_config(q, kv, config=mine).config == mine
+    assert resolve_config(q, kv, config=mine).source == "caller"
+    # FlashMLA not importable: a Hopper caller's FlashMLA forward runs as TileLang ...
+    asked = SparseAttentionConfig(forward_backend="flash_mla")
+    found = resolve_config(q, kv, config=asked)
+    assert found.config == dataclasses.replace(asked, forward_backend="tilelang")
+    assert "flash_mla not importable" in found.source
+    # ... and Blackwell's FlashMLA row as the torch reference.
+    monkeypatch.setenv(ARCH_ENV, "sm_100")
+    found = resolve_config(q, kv)
+    assert found.config.forward_backend == "torch" and "flash_mla" in found.source
+    # Importable: kept where it supports the shape (one kv group, d_v 512), replaced elsewhere.
+    monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: True)
+    assert resolve_config(q, kv).config.forward_backend == "flash_mla"
+    grouped = resolve_config(q, fake_cuda(1, 1, 2, 576))
+    assert grouped.config.forward_backend == "torch"
+    # An arch without rows: the default, the torch reference.
+    monkeypatch.setenv(ARCH_ENV, "sm_80")
+    assert resolve_config(q, kv).config == TORCH_CONFIG
+    assert resolve_config(q, kv).source == "default"
+
+
+def test_every_table_row_passes_the_kernel_checks():
+    """No Hopper row holds a tiling its kernels refuse, at every head count its key covers."""
+    rows = [r for r in CONFIG_TABLE.rows() if dict(r.key)["arch_major"] == 9]
+    assert len(rows) == 8
+    for row in rows:
+        key = dict(row.key)
+        dim = 576 if key["rope_tail"] else 512
+        assert row.config.forward_backend == row.config.backward_backend == "tilelang"
+        for heads in {key["heads"], key["heads"] // 2 + 1, 2 * key["heads"]}:
+            _check_runnable(row.config, HOPPER, heads, 1, dim, 512)
+
+
+def test_guard_refuses_what_the_kernels_cannot_run():
+    """The op checks the config against the shapes before any compile or launch, and names the
+    field to change."""
+    with pytest.raises(ValueError, match=r"SparseAttentionConfig\.forward_block_i"):
+        _check_runnable(SparseAttentionConfig(forward_block_i=48), HOPPER, 64, 1, 576, 512)
+    with pytest.raises(ValueError, match=r"SparseAttentionConfig\.forward_stages"):
+        _check_runnable(SparseAttentionConfig(forward_stages=1), HOPPER, 64, 1, 576, 512)
+    with pytest.raises(ValueError, match=r"SparseAttentionConfig\.backward_block_i"):
+        _check_runnable(SparseAttentionConfig(backward_block_i=24), HOPPER, 64, 1, 576, 512)
+    with pytest.raises(ValueError, match=r"SparseAttentionConfig\.split_store"):
+        _check_runnable(SparseAttentionConfig(split_store=3), HOPPER, 64, 1, 576, 512)
+    with pytest.raises(ValueError, match="Hopper"):
+        _check_runnable(SparseAttentionConfig(), Arch("cuda", 10, 0), 64, 1, 576, 512)
+    # The torch backends need no check, whatever the tiling fields hold.
+    torch_only = dataclasses.replace(TORCH_CONFIG, forward_block_i=48, split_store=3)
+    _check_runnable(torch_only, Arch("cuda", 10, 0), 64, 1, 576, 512)
+
+
+def test_precompile_builds_nothing_without_tilelang_kernels():
+    shape = AttentionShape(heads=16, d_qk=576, d_v=512, topk=2048)
+    assert (shape.groups, shape.sink) == (1, False)
+    # Blackwell rows run FlashMLA / torch; a torch config on Hopper runs no TileLang either.
+    assert precompile([shape], arch="sm_100") == 0
+    assert precompile([shape], arch="sm_90", config=TORCH_CONFIG) == 0
+    with pytest.raises(ValueError, match=r"SparseAttentionConfig\.forward_block_i"):
+        precompile([shape], arch="sm_90", config=SparseAttentionConfig(forward_block_i=48))
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+def test_ops_take_the_config_fields_in_declaration_order():
+    """The forward op rebuilds the config from its trailing arguments by position; the backward
+    op takes the backward half of it."""
+    ops = torch.ops.dsa_sparse_attention
+    forward = [a.name for a in ops.forward.default._schema.arguments]
+    inputs = ["q", "kv", "indices", "attn_sink", "sm_scale", "d_v"]
+    assert forward == inputs + [f.name for f in dataclasses.fields(SparseAttentionConfig)]
+    backward = [a.name for a in ops.backward.default._schema.arguments]
+    assert backward == [
+        "dout", "dlse2", "q", "kv", "indices", "out", "lse2", "attn_sink", "sm_scale", "d_v",
+        "backend", "block_i", "num_stages", "split_store", "dkv_reduce",
+    ]  # fmt: skip
+
+
+def test_forward_op_returns_the_lse_in_log2_units():
+    q, kv, idx, sink = make(h=4, g=2, d=40, sink=True)
+    fields = _fields(resolve_config(q, kv, d_v=32).config)
+    out, lse2 = torch.ops.dsa_sparse_attention.forward(q, kv, idx, sink, 0.2, 32, *fields)
+    o64, l64 = dense_attention(q.double(), kv.double(), idx, 0.2, 32, sink.double())
+    assert_close(out, o64, max_rel_diff=2e-5, name="out")
+    assert_close(lse2 * LN2, l64, max_rel_diff=1e-6, name="lse2 * ln 2")
+    public_out, lse = sparse_attention(q, kv, idx, sm_scale=0.2, d_v=32, attn_sink=sink,
+                                       return_lse=True)  # fmt: skip
+    assert torch.equal(public_out, out) and torch.equal(lse, lse2 * LN2)
 
 
 def test_opcheck():
-    q, kv, idx = make(h=4, g=2)
-    kv = torch.randn(1, 6, 2, 40).bfloat16()
-    idx = torch.randint(-1, 6, (1, 6, 2, 5), dtype=torch.int32)
-    cfg = SparseAttentionConfig().to_json()
-    sink = torch.randn(4)
+    q, kv, idx, _ = make(h=4, g=2)
+    fields = _fields(resolve_config(q, kv, d_v=32).config)
+    sink = torch.randn(4, generator=seeded_gen("opcheck sink"))
     for s in (sink, None):
         leaves = (q.clone().requires_grad_(), kv.clone().requires_grad_())
         sk = s.clone().requires_grad_() if s is not None else None
         torch.library.opcheck(
-            torch.ops.dsa_sparse_attention.forward.default, (*leaves, idx, sk, 0.2, 32, cfg)
+            torch.ops.dsa_sparse_attention.forward.default, (*leaves, idx, sk, 0.2, 32, *fields)
+        )
+        out, lse2 = torch.ops.dsa_sparse_attention.forward(q, kv, idx, s, 0.2, 32, *fields)
+        gen = seeded_gen("opcheck grads", s is None)
+        dout = torch.randn(out.shape, generator=gen).bfloat16()
+        dlse2 = torch.randn(lse2.shape, generator=gen)
+        backward = (TORCH_CONFIG.backward_backend, 32, 1, 2, "tma")
+        torch.library.opcheck(
+            torch.ops.dsa_sparse_attention.backward.default,
+            (dout, dlse2, q, kv, idx, out, lse2, s, 0.2, 32, *backward),
         )
 
 
@@ -113,8 +257,7 @@ def test_compile_forward_backward_dynamic():
 
     compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True)
     for s in (6, 9):
-        q, kv, idx = make(s=s, seed=s)
-        sink = torch.randn(4)
+        q, kv, idx, sink = make(s=s, seed=s, sink=True)
         eager = [x.clone().requires_grad_() for x in (q, kv, sink)]
         comp = [x.clone().requires_grad_() for x in (q, kv, sink)]
         l1 = loss_fn(eager[0], eager[1], idx, eager[2])

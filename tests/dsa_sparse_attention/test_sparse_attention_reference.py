@@ -1,31 +1,25 @@
-"""Sparse attention (torch backend) against the dense fp64 formulation in dense.py."""
+"""Sparse attention (torch backend) against the dense fp64 formulation of ``dsa_bench.dense``
+(every key weighted by its multiplicity in the index row, differentiated by autograd)."""
 
 import math
 
 import pytest
 import torch
+from dsa_bench.dense import dense_attention
 from dsa_sparse_attention import reference as ref
 from dsa_sparse_attention import sparse_attention
 from kernel_common.testing import assert_close
+from support import as_padding, attention_indices, attention_inputs, seeded_gen
 
-from .dense import dense_attention
 
-
-def make(b, s, h, g, d, topk, s_kv=None, sink=False, seed=0, pad="none"):
-    gen = torch.Generator().manual_seed(seed)
+def make(b, s, h, g, d, topk, s_kv=None, sink=False, seed=0, pattern="duplicates"):
+    """Inputs and ``support.attention_indices`` of one pattern, out-of-range entries made -1
+    (the torch backend rejects them)."""
+    gen = seeded_gen("reference", b, s, h, g, d, topk, s_kv, sink, seed, pattern)
     s_kv = s if s_kv is None else s_kv
-    q = torch.randn(b, s, h, d, generator=gen).bfloat16()
-    kv = torch.randn(b, s_kv, g, d, generator=gen).bfloat16()
-    idx = torch.randint(0, s_kv, (b, s, g, topk), generator=gen, dtype=torch.int32)
-    if pad == "tail":
-        keep = torch.randint(0, topk + 1, (b, s, g, 1), generator=gen)
-        idx = torch.where(torch.arange(topk) < keep, idx, -1)
-    elif pad == "shuffled":
-        idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.4, -1, idx)
-    elif pad == "rows":
-        idx[:, ::3] = -1
-    attn_sink = torch.randn(h, generator=gen) if sink else None
-    return q, kv, idx.to(torch.int32), attn_sink
+    q, kv, attn_sink = attention_inputs(b, s, s_kv, h, g, d, gen, sink=sink)
+    idx = as_padding(attention_indices(b, s, g, topk, s_kv, pattern, gen), s_kv)
+    return q, kv, idx, attn_sink
 
 
 def run_both(q, kv, idx, sink, d_v, sm_scale=None):
@@ -71,18 +65,20 @@ BF16_BAR = 2e-5
 
 
 @pytest.mark.parametrize(
-    ("b", "s", "h", "g", "d", "d_v", "topk", "s_kv", "sink", "pad"),
+    ("b", "s", "h", "g", "d", "d_v", "topk", "s_kv", "sink", "pattern"),
     [
-        (1, 9, 4, 1, 40, 32, 5, None, False, "none"),
+        (1, 9, 4, 1, 40, 32, 5, None, False, "duplicates"),
         (2, 7, 8, 2, 48, 32, 6, None, True, "tail"),
         (1, 6, 4, 4, 24, 24, 9, 12, True, "shuffled"),  # S_kv = 2 S, no tail, G = H
-        (2, 5, 6, 3, 40, 32, 3, None, False, "rows"),  # all -1 rows, no sink
-        (1, 5, 4, 1, 40, 32, 4, None, True, "rows"),  # all -1 rows with a sink
-        (1, 3, 2, 1, 16, 16, 20, None, True, "none"),  # topk > S_kv: duplicates forced
+        (2, 5, 6, 3, 40, 32, 3, None, False, "empty_rows"),  # all -1 rows, no sink
+        (1, 5, 4, 1, 40, 32, 4, None, True, "empty_rows"),  # all -1 rows with a sink
+        (1, 3, 2, 1, 16, 16, 20, None, True, "duplicates"),  # topk > S_kv: duplicates forced
+        (2, 6, 4, 2, 40, 32, 7, 9, True, "mixed"),
+        (1, 8, 4, 1, 40, 32, 5, 11, False, "causal"),
     ],
 )
-def test_forward_backward_against_dense(b, s, h, g, d, d_v, topk, s_kv, sink, pad):
-    q, kv, idx, attn_sink = make(b, s, h, g, d, topk, s_kv, sink, seed=s * h, pad=pad)
+def test_forward_backward_against_dense(b, s, h, g, d, d_v, topk, s_kv, sink, pattern):
+    q, kv, idx, attn_sink = make(b, s, h, g, d, topk, s_kv, sink, pattern=pattern)
     (out, lse, grads), (o64, l64, grads64) = run_both(q, kv, idx, attn_sink, d_v)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_close(out, o64, max_rel_diff=BF16_BAR, name="out")
@@ -93,18 +89,20 @@ def test_forward_backward_against_dense(b, s, h, g, d, d_v, topk, s_kv, sink, pa
         assert_close(a, e, max_rel_diff=BF16_BAR if name != "dsink" else 1e-6, name=name)
 
 
-def test_all_minus_one_rows_are_exactly_zero_with_finite_grads():
-    q, kv, idx, sink = make(1, 6, 4, 1, 32, 8, sink=False, pad="rows", seed=3)
-    (out, lse, grads), _ = run_both(q, kv, idx, None, 32)
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_all_minus_one_rows_are_exactly_zero_with_finite_grads(with_sink):
+    q, kv, idx, sink = make(1, 6, 4, 1, 32, 8, sink=with_sink, pattern="empty_rows", seed=3)
+    (out, lse, grads), _ = run_both(q, kv, idx, sink, 32)
     empty = (idx == -1).all(-1)[..., 0]  # [B, S]
+    assert bool(empty.any()) and not bool(empty.all())
     assert (out[empty] == 0).all()
-    assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
     assert (grads[0][empty] == 0).all()
     assert all(torch.isfinite(x.float()).all() for x in grads)
-    q, kv, idx, sink = make(1, 6, 4, 1, 32, 8, sink=True, pad="rows", seed=3)
-    (out, lse, grads), _ = run_both(q, kv, idx, sink, 32)
-    assert (out[empty] == 0).all()
-    assert torch.allclose(lse[empty], sink.expand_as(lse)[empty])
+    assert torch.isfinite(lse[~empty]).all()
+    if with_sink:  # only the sink is in the softmax: lse = sink
+        assert torch.allclose(lse[empty], sink.expand_as(lse)[empty])
+    else:
+        assert torch.isneginf(lse[empty]).all()
 
 
 @pytest.mark.parametrize("sink", [False, True])
@@ -127,10 +125,10 @@ def test_custom_scale_and_default_d_v():
 
 
 def test_reference_chunking_is_invisible(monkeypatch):
-    q, kv, idx, sink = make(2, 11, 4, 2, 24, 5, sink=True, pad="shuffled", seed=5)
+    q, kv, idx, sink = make(2, 11, 4, 2, 24, 5, sink=True, pattern="shuffled", seed=5)
     scale = 0.3
     fwd = ref.sparse_attention_forward_reference(q, kv, idx, scale, 16, sink)
-    do = torch.randn(2, 11, 4, 16).bfloat16()
+    do = torch.randn(2, 11, 4, 16, generator=seeded_gen("chunking dout")).bfloat16()
     bwd = ref.sparse_attention_backward_reference(do, None, q, kv, idx, fwd[1], scale, 16, sink)
     monkeypatch.setattr(ref, "_CHUNK_ELEMENTS", 1)
     fwd1 = ref.sparse_attention_forward_reference(q, kv, idx, scale, 16, sink)

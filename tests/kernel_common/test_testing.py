@@ -4,7 +4,7 @@ from kernel_common.testing import assert_close, poison_, poisoned, rel_diff
 
 
 def test_rel_diff_metric():
-    a = torch.randn(100, dtype=torch.float64)
+    a = torch.randn(100, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert rel_diff(a, a) == pytest.approx(0.0, abs=1e-15)
     assert rel_diff(a, -a) == pytest.approx(2.0)
     assert rel_diff(a, torch.zeros_like(a)) == pytest.approx(1.0)
@@ -17,7 +17,7 @@ def test_rel_diff_metric():
 
 
 def test_assert_close_reports_location_and_nonfinite():
-    a = torch.randn(4, 5)
+    a = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     assert_close(a, a.clone())
     b = a.clone()
     b[2, 3] += 100
@@ -38,9 +38,11 @@ def test_assert_close_reports_location_and_nonfinite():
 
 
 def test_poison():
-    assert torch.isnan(poisoned((3,), torch.float32, "cpu")).all()
-    t = poison_(torch.zeros(2, dtype=torch.int32))
-    assert (t == torch.iinfo(torch.int32).min).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        t = poisoned((3, 2), dtype, "cpu")
+        assert t.shape == (3, 2) and t.dtype == dtype and torch.isnan(t).all()
+    t = torch.zeros(2, dtype=torch.int32)
+    assert poison_(t) is t and (t == torch.iinfo(torch.int32).min).all()
 
 
 @pytest.mark.gpu

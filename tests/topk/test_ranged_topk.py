@@ -1,40 +1,24 @@
-"""ranged_topk semantics against an independent per-row formulation written here."""
+"""ranged_topk semantics against the independent per-row formulation ``support.naive_topk``;
+its config, its resolution and its custom-op registration."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from topk import ranged_topk
-
-
-def naive_topk(scores, k, starts, ends):
-    """Per-row: rank in-range finite-or-+inf columns by (-value, column), keep k, sort columns."""
-    out = []
-    for r in range(scores.shape[0]):
-        row = scores[r].tolist()
-        cols = [
-            c
-            for c in range(max(0, int(starts[r])), min(len(row), int(ends[r])))
-            if not math.isnan(row[c]) and row[c] != -math.inf
-        ]
-        best = sorted(sorted(cols, key=lambda c: (-row[c], c))[:k])
-        out.append(best + [-1] * (k - len(best)))
-    return torch.tensor(out, dtype=torch.int32).reshape(scores.shape[0], k)
-
-
-def ranges(rows, n, gen):
-    a = torch.randint(0, n + 1, (rows,), generator=gen)
-    b = torch.randint(0, n + 1, (rows,), generator=gen)
-    return torch.minimum(a, b).int(), torch.maximum(a, b).int()
+from kernel_common import ARCH_ENV
+from support import fake_cuda, naive_topk, random_ranges
+from topk import TopkConfig, ranged_topk, resolve_config
+from topk.config import TOPK_CONFIGS, TORCH_CONFIG
 
 
 @pytest.mark.parametrize("k", [1, 5, 17, 64])
 def test_random_rows_with_ranges(k):
     gen = torch.Generator().manual_seed(k)
     scores = torch.randn(40, 50, generator=gen)
-    lo, hi = ranges(40, 50, gen)
+    lo, hi = random_ranges(40, 50, gen)
     assert torch.equal(ranged_topk(scores, k, lo, hi), naive_topk(scores, k, lo, hi))
 
 
@@ -50,7 +34,7 @@ def test_ties_keep_the_smaller_column():
 def test_many_values_equal_to_the_kth():
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(0, 4, (16, 200), generator=gen).float()
-    lo, hi = ranges(16, 200, gen)
+    lo, hi = random_ranges(16, 200, gen)
     assert torch.equal(ranged_topk(scores, 37, lo, hi), naive_topk(scores, 37, lo, hi))
 
 
@@ -102,12 +86,14 @@ def test_leading_dims_strides_and_half_inputs():
     wide[..., :64] = base
     view = wide[..., :64]
     assert not view.is_contiguous()
-    expected = ranged_topk(base, 9)
-    assert expected.shape == (2, 3, 9)
+    full = ([0] * 6, [64] * 6)
+    expected = naive_topk(base.reshape(6, 64), 9, *full).reshape(2, 3, 9)
+    assert torch.equal(ranged_topk(base, 9), expected)
     assert torch.equal(ranged_topk(view, 9), expected)
     for dt in (torch.float16, torch.bfloat16):
-        half = base.to(dt)
-        assert torch.equal(ranged_topk(half, 9), ranged_topk(half.float(), 9))
+        half = base.to(dt)  # ranked by the exact fp32 upcast (ties after the cast by column)
+        want = naive_topk(half.float().reshape(6, 64), 9, *full).reshape(2, 3, 9)
+        assert torch.equal(ranged_topk(half, 9), want)
 
 
 @settings(max_examples=40, deadline=None)
@@ -123,7 +109,7 @@ def test_hypothesis_against_naive(rows, n, k, levels, seed):
     scores = torch.randint(0, levels, (rows, n), generator=gen).float()
     scores[torch.rand(rows, n, generator=gen) < 0.2] = -math.inf
     scores[torch.rand(rows, n, generator=gen) < 0.1] = math.nan
-    lo, hi = ranges(rows, n, gen)
+    lo, hi = random_ranges(rows, n, gen)
     assert torch.equal(ranged_topk(scores, k, lo, hi), naive_topk(scores, k, lo, hi))
 
 
@@ -146,13 +132,81 @@ def test_validation_messages():
         ranged_topk(torch.tensor(1.0), 1)
 
 
-def test_opcheck_and_compile():
+def _fields(config: TopkConfig) -> tuple:
+    return tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+
+
+def test_opcheck():
     s = torch.randn(5, 33)
-    lo, hi = ranges(5, 33, torch.Generator().manual_seed(4))
-    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, lo, hi))
-    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, None, None))
+    lo, hi = random_ranges(5, 33, torch.Generator().manual_seed(4))
+    fields = _fields(resolve_config(s).config)
+    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, lo, hi, *fields))
+    torch.library.opcheck(torch.ops.topk.ranged_topk.default, (s, 7, None, None, *fields))
+
+
+def test_compile_fullgraph_dynamic():
+    s = torch.randn(5, 33)
+    lo, hi = random_ranges(5, 33, torch.Generator().manual_seed(4))
     compiled = torch.compile(ranged_topk, fullgraph=True, dynamic=True)
-    assert torch.equal(compiled(s, 7, lo, hi), ranged_topk(s, 7, lo, hi))
+    assert torch.equal(compiled(s, 7, lo, hi), naive_topk(s, 7, lo, hi))
     s2 = torch.randn(9, 41)
-    lo2, hi2 = ranges(9, 41, torch.Generator().manual_seed(5))
-    assert torch.equal(compiled(s2, 7, lo2, hi2), ranged_topk(s2, 7, lo2, hi2))
+    lo2, hi2 = random_ranges(9, 41, torch.Generator().manual_seed(5))
+    assert torch.equal(compiled(s2, 7, lo2, hi2), naive_topk(s2, 7, lo2, hi2))
+
+
+def test_op_takes_the_config_fields_in_declaration_order():
+    """The op rebuilds the TopkConfig from its trailing arguments by position."""
+    schema = torch.ops.topk.ranged_topk.default._schema
+    names = [a.name for a in schema.arguments]
+    assert names[:4] == ["scores", "k", "starts", "ends"]
+    assert names[4:] == [f.name for f in dataclasses.fields(TopkConfig)]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_validation():
+    cases = [
+        (dict(backend="cuda"), "TopkConfig.backend"),
+        (dict(num_warps=3), "TopkConfig.num_warps"),
+        (dict(num_warps=True), "TopkConfig.num_warps"),
+        (dict(reps=3), "TopkConfig.reps"),
+        (dict(warps_per_sm=2), "TopkConfig.warps_per_sm"),  # below num_warps = 4
+        (dict(warps_per_sm=65), "TopkConfig.warps_per_sm"),
+        (dict(prefetch=-1), "TopkConfig.prefetch"),
+        (dict(prefetch=1.0), "TopkConfig.prefetch"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            TopkConfig(**kwargs)
+
+
+def test_resolve_config_on_cpu_is_the_torch_reference(monkeypatch):
+    """CPU tensors run the torch reference whatever the caller passes or the arch claims."""
+    scores = torch.zeros(2, 8)
+    for arch in (None, "sm_90"):
+        if arch is None:
+            monkeypatch.delenv(ARCH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ARCH_ENV, arch)
+        for config in (None, TopkConfig(num_warps=8)):
+            found = resolve_config(scores, config)
+            assert found.config == TORCH_CONFIG and found.config.backend == "torch"
+            assert found.source.startswith("cpu tensors")
+    with pytest.raises(TypeError, match="config must be a TopkConfig"):
+        resolve_config(scores, {"num_warps": 4})
+
+
+def test_resolve_config_on_cuda(monkeypatch):
+    """CUDA tensors: the caller's config, else the arch's table row, else the default."""
+    scores = fake_cuda(2, 8, dtype=torch.float32)
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+    found = resolve_config(scores)
+    assert found.config.backend == "triton" and found.source.startswith("row (measured H200")
+    assert found.key == (("arch_major", 9),)
+    mine = TopkConfig(num_warps=8, warps_per_sm=32)
+    assert resolve_config(scores, mine).config == mine
+    assert resolve_config(scores, mine).source == "caller"
+    monkeypatch.setenv(ARCH_ENV, "sm_100")
+    assert resolve_config(scores).source == "default"
+    assert resolve_config(scores).config == TOPK_CONFIGS.default

@@ -96,7 +96,7 @@ def ranged_topk(
                 t,
                 dtypes=(torch.int32,),
                 shape=lead,
-                layout=f"{lead} (scores.shape[:-1])",
+                layout="scores.shape[:-1]",
                 device=scores.device,
             )
     cfg = resolve_config(scores, config).config
