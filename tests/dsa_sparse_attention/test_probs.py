@@ -145,14 +145,16 @@ def test_gpu_against_reference(heads, groups, d, topk, pattern):
     s, s_kv = 300, 2500
     q, kv, sink = attention_inputs(1, s, s_kv, heads, groups, d, gen, sink=True, device="cuda")
     idx = attention_indices(1, s, groups, topk, s_kv, pattern, gen, device="cuda")
+    # The reference forward rejects out-of-range entries: it gets them as -1.
+    padded = as_padding(idx, s_kv)
     _, lse = sparse_attention(
-        q, kv, idx, d_v=512, attn_sink=sink, return_lse=True, config=_torch_forward()
+        q, kv, padded, d_v=512, attn_sink=sink, return_lse=True, config=_torch_forward()
     )
     # Fill the allocator's next block with NaN, so that an unwritten output element shows.
     torch.full((1, s, groups, topk), float("nan"), device="cuda")
     got = sparse_attention_probs(q, kv, idx, lse)
     assert not torch.isnan(got).any()
-    want = sparse_attention_probs_reference(q, kv, as_padding(idx, s_kv), lse, d**-0.5)
+    want = sparse_attention_probs_reference(q, kv, padded, lse, d**-0.5)
     assert_close(got, want, name="target")
 
 
