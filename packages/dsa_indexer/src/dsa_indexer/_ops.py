@@ -2,16 +2,15 @@
 
 Each entry checks its arguments and resolves one complete :class:`IndexerConfig`
 (:func:`dsa_indexer.resolve_config`); the custom ops receive its fields as typed static arguments
-(custom ops take no dataclasses) in declaration order and run the Triton kernels or the torch
+(custom ops take no dataclasses; ``kernel_common.config_schema`` writes them into each op's
+schema) in declaration order, rebuild the config and run the Triton kernels or the torch
 reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from kernel_common import check_indices, check_int, check_tensor
+from kernel_common import check_indices, check_int, check_tensor, config_fields, define_config_op
 from topk import ranged_topk
 
 from dsa_indexer import reference
@@ -47,49 +46,19 @@ def _check_ranges(op: str, q, starts, ends) -> None:
 
 def _config_fields(q: torch.Tensor, config: IndexerConfig | None) -> tuple:
     """The resolved config's fields, in declaration order: the ops' static arguments."""
-    cfg = resolve_config(q, config).config
-    return tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+    return config_fields(resolve_config(q, config).config)
 
 
-@torch.library.custom_op("dsa_indexer::indexer_logits", mutates_args=())
-def _indexer_logits_op(
+def _indexer_logits_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     weights: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
     clean: bool,
-    backend: str,
-    logits_block_rows: int,
-    logits_block_n: int,
-    logits_num_warps: int,
-    logits_num_stages: int,
-    scores_block_k: int,
-    scores_num_warps: int,
-    scores_num_stages: int,
-    backward_block_k: int,
-    backward_num_warps: int,
-    backward_num_stages: int,
-    backward_rotate: bool,
-    backward_dk_split: int,
-    backward_key_window: int,
+    *config,
 ) -> torch.Tensor:
-    cfg = IndexerConfig(
-        backend,
-        logits_block_rows,
-        logits_block_n,
-        logits_num_warps,
-        logits_num_stages,
-        scores_block_k,
-        scores_num_warps,
-        scores_num_stages,
-        backward_block_k,
-        backward_num_warps,
-        backward_num_stages,
-        backward_rotate,
-        backward_dk_split,
-        backward_key_window,
-    )
+    cfg = IndexerConfig(*config)
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_logits_triton
 
@@ -98,7 +67,16 @@ def _indexer_logits_op(
     return reference.indexer_logits_reference(q, k, weights, starts, ends)
 
 
-@_indexer_logits_op.register_fake
+_indexer_logits_op = define_config_op(
+    "dsa_indexer::indexer_logits",
+    "Tensor q, Tensor k, Tensor weights, Tensor starts, Tensor ends, bool clean",
+    "Tensor",
+    IndexerConfig,
+    _indexer_logits_impl,
+)
+
+
+@torch.library.register_fake("dsa_indexer::indexer_logits")
 def _(q, k, weights, starts, ends, clean, *config):
     return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
 
@@ -114,7 +92,9 @@ def _logits_backward(ctx, grad):
     raise RuntimeError("indexer_logits is not differentiable")
 
 
-_indexer_logits_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
+torch.library.register_autograd(
+    "dsa_indexer::indexer_logits", _logits_backward, setup_context=_logits_setup_context
+)
 
 
 def indexer_logits(
@@ -149,43 +129,14 @@ def indexer_logits(
     return _indexer_logits_op(q, k, weights, starts, ends, bool(clean), *_config_fields(q, config))
 
 
-@torch.library.custom_op("dsa_indexer::indexer_topk_scores", mutates_args=())
-def _topk_scores_op(
+def _topk_scores_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     weights: torch.Tensor,
     indices: torch.Tensor,
-    backend: str,
-    logits_block_rows: int,
-    logits_block_n: int,
-    logits_num_warps: int,
-    logits_num_stages: int,
-    scores_block_k: int,
-    scores_num_warps: int,
-    scores_num_stages: int,
-    backward_block_k: int,
-    backward_num_warps: int,
-    backward_num_stages: int,
-    backward_rotate: bool,
-    backward_dk_split: int,
-    backward_key_window: int,
+    *config,
 ) -> torch.Tensor:
-    cfg = IndexerConfig(
-        backend,
-        logits_block_rows,
-        logits_block_n,
-        logits_num_warps,
-        logits_num_stages,
-        scores_block_k,
-        scores_num_warps,
-        scores_num_stages,
-        backward_block_k,
-        backward_num_warps,
-        backward_num_stages,
-        backward_rotate,
-        backward_dk_split,
-        backward_key_window,
-    )
+    cfg = IndexerConfig(*config)
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_topk_scores_triton
 
@@ -194,49 +145,29 @@ def _topk_scores_op(
     return reference.indexer_topk_scores_reference(q, k, weights, indices)
 
 
-@_topk_scores_op.register_fake
+_topk_scores_op = define_config_op(
+    "dsa_indexer::indexer_topk_scores",
+    "Tensor q, Tensor k, Tensor weights, Tensor indices",
+    "Tensor",
+    IndexerConfig,
+    _topk_scores_impl,
+)
+
+
+@torch.library.register_fake("dsa_indexer::indexer_topk_scores")
 def _(q, k, weights, indices, *config):
     return q.new_empty(indices.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("dsa_indexer::indexer_topk_scores_backward", mutates_args=())
-def _topk_scores_backward_op(
+def _topk_scores_backward_impl(
     grad: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     weights: torch.Tensor,
     indices: torch.Tensor,
-    backend: str,
-    logits_block_rows: int,
-    logits_block_n: int,
-    logits_num_warps: int,
-    logits_num_stages: int,
-    scores_block_k: int,
-    scores_num_warps: int,
-    scores_num_stages: int,
-    backward_block_k: int,
-    backward_num_warps: int,
-    backward_num_stages: int,
-    backward_rotate: bool,
-    backward_dk_split: int,
-    backward_key_window: int,
+    *config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = IndexerConfig(
-        backend,
-        logits_block_rows,
-        logits_block_n,
-        logits_num_warps,
-        logits_num_stages,
-        scores_block_k,
-        scores_num_warps,
-        scores_num_stages,
-        backward_block_k,
-        backward_num_warps,
-        backward_num_stages,
-        backward_rotate,
-        backward_dk_split,
-        backward_key_window,
-    )
+    cfg = IndexerConfig(*config)
     if cfg.backend == "triton":
         from dsa_indexer._triton import indexer_topk_scores_backward_triton
 
@@ -244,7 +175,16 @@ def _topk_scores_backward_op(
     return reference.indexer_topk_scores_backward_reference(grad, q, k, weights, indices)
 
 
-@_topk_scores_backward_op.register_fake
+_topk_scores_backward_op = define_config_op(
+    "dsa_indexer::indexer_topk_scores_backward",
+    "Tensor grad, Tensor q, Tensor k, Tensor weights, Tensor indices",
+    "(Tensor, Tensor, Tensor)",
+    IndexerConfig,
+    _topk_scores_backward_impl,
+)
+
+
+@torch.library.register_fake("dsa_indexer::indexer_topk_scores_backward")
 def _(grad, q, k, weights, indices, *config):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights, dtype=torch.float32)
 
@@ -261,7 +201,9 @@ def _scores_backward(ctx, grad):
     return dq, dk, dw, None, *(None,) * len(ctx.config)
 
 
-_topk_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup_context)
+torch.library.register_autograd(
+    "dsa_indexer::indexer_topk_scores", _scores_backward, setup_context=_scores_setup_context
+)
 
 
 def indexer_topk_scores(
@@ -326,8 +268,7 @@ def _block_rows(op: str, t_kv: int, budget: int) -> int:
     return rows if rows < _BLOCK_ALIGN else rows // _BLOCK_ALIGN * _BLOCK_ALIGN
 
 
-@torch.library.custom_op("dsa_indexer::lightning_indices", mutates_args=())
-def _lightning_indices_op(
+def _lightning_indices_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     weights: torch.Tensor,
@@ -335,37 +276,9 @@ def _lightning_indices_op(
     ends: torch.Tensor,
     topk: int,
     block_rows: int,
-    backend: str,
-    logits_block_rows: int,
-    logits_block_n: int,
-    logits_num_warps: int,
-    logits_num_stages: int,
-    scores_block_k: int,
-    scores_num_warps: int,
-    scores_num_stages: int,
-    backward_block_k: int,
-    backward_num_warps: int,
-    backward_num_stages: int,
-    backward_rotate: bool,
-    backward_dk_split: int,
-    backward_key_window: int,
+    *config,
 ) -> torch.Tensor:
-    cfg = IndexerConfig(
-        backend,
-        logits_block_rows,
-        logits_block_n,
-        logits_num_warps,
-        logits_num_stages,
-        scores_block_k,
-        scores_num_warps,
-        scores_num_stages,
-        backward_block_k,
-        backward_num_warps,
-        backward_num_stages,
-        backward_rotate,
-        backward_dk_split,
-        backward_key_window,
-    )
+    cfg = IndexerConfig(*config)
     t_q, t_kv = q.shape[0], k.shape[0]
     indices = torch.empty(t_q, topk, dtype=torch.int32, device=q.device)
     block = None
@@ -388,7 +301,16 @@ def _lightning_indices_op(
     return indices
 
 
-@_lightning_indices_op.register_fake
+_lightning_indices_op = define_config_op(
+    "dsa_indexer::lightning_indices",
+    "Tensor q, Tensor k, Tensor weights, Tensor starts, Tensor ends, int topk, int block_rows",
+    "Tensor",
+    IndexerConfig,
+    _lightning_indices_impl,
+)
+
+
+@torch.library.register_fake("dsa_indexer::lightning_indices")
 def _(q, k, weights, starts, ends, topk, block_rows, *config):
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)
 

@@ -2,10 +2,11 @@
 
 A call is followed from here: :func:`sparse_attention` checks its arguments and resolves one
 complete :class:`SparseAttentionConfig` (:func:`resolve_config`); the custom op
-``dsa_sparse_attention::forward`` receives that config as typed static arguments (custom ops take
-no dataclasses), refuses a tiling the kernels cannot run for these shapes, and dispatches to
-``_tilelang`` / ``_flash_mla`` / ``reference``; its registered autograd calls
-``dsa_sparse_attention::backward`` with the backward half of the same config.
+``dsa_sparse_attention::forward`` receives that config's fields as typed static arguments
+(custom ops take no dataclasses: ``kernel_common.define_config_op`` writes the fields into the
+schema), rebuilds the config, refuses a tiling the kernels cannot run for these shapes, and
+dispatches to ``_tilelang`` / ``_flash_mla`` / ``reference``; its registered autograd calls
+``dsa_sparse_attention::backward`` with the same config.
 
 Inside, the lse is in log2 units (``lse2``: the kernels' softmax runs on exp2); only the public
 entry converts it to the natural log the API returns.
@@ -16,7 +17,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from kernel_common import Arch, Lookup, check_indices, check_int, check_tensor, device_arch
+from kernel_common import (
+    Arch,
+    Lookup,
+    check_indices,
+    check_int,
+    check_tensor,
+    config_fields,
+    define_config_op,
+    device_arch,
+)
 from kernel_common.constants import LN2, LOG2E
 
 from dsa_sparse_attention import _flash_mla, reference
@@ -105,34 +115,16 @@ def _check_runnable(
             )
 
 
-@torch.library.custom_op("dsa_sparse_attention::forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
     attn_sink: torch.Tensor | None,
     sm_scale: float,
     d_v: int,
-    forward_backend: str,
-    backward_backend: str,
-    forward_block_i: int,
-    forward_stages: int,
-    backward_block_i: int,
-    backward_stages: int,
-    split_store: int,
-    dkv_reduce: str,
+    *config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The config's fields in their declaration order, as the entry passes them.
-    cfg = SparseAttentionConfig(
-        forward_backend,
-        backward_backend,
-        forward_block_i,
-        forward_stages,
-        backward_block_i,
-        backward_stages,
-        split_store,
-        dkv_reduce,
-    )
+    cfg = SparseAttentionConfig(*config)
     if q.device.type != "cuda" or cfg.forward_backend == "torch":
         check_indices(_OP, "indices", indices, kv.shape[1], "S_kv")
         out, lse = reference.sparse_attention_forward_reference(
@@ -159,14 +151,22 @@ def _forward_op(
     )
 
 
-@_forward_op.register_fake
+_forward_op = define_config_op(
+    "dsa_sparse_attention::forward",
+    "Tensor q, Tensor kv, Tensor indices, Tensor? attn_sink, float sm_scale, int d_v",
+    "(Tensor, Tensor)",
+    SparseAttentionConfig,
+    _forward_impl,
+)
+
+
+@torch.library.register_fake("dsa_sparse_attention::forward")
 def _(q, kv, indices, attn_sink, sm_scale, d_v, *config):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, d_v)), q.new_empty((b, s, h), dtype=torch.float32)
 
 
-@torch.library.custom_op("dsa_sparse_attention::backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     dout: torch.Tensor,
     dlse2: torch.Tensor | None,
     q: torch.Tensor,
@@ -177,14 +177,11 @@ def _backward_op(
     attn_sink: torch.Tensor | None,
     sm_scale: float,
     d_v: int,
-    backend: str,
-    block_i: int,
-    num_stages: int,
-    split_store: int,
-    dkv_reduce: str,
+    *config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = SparseAttentionConfig(*config)
     # dsink comes back as an empty tensor without a sink: custom ops cannot return None.
-    if q.device.type == "cuda" and backend == "tilelang":
+    if q.device.type == "cuda" and cfg.backward_backend == "tilelang":
         from dsa_sparse_attention._tilelang import sparse_attention_backward_tilelang
 
         dq, dkv, dsink = sparse_attention_backward_tilelang(
@@ -198,10 +195,10 @@ def _backward_op(
             attn_sink,
             sm_scale,
             d_v,
-            block_i=block_i,
-            num_stages=num_stages,
-            split_store=split_store,
-            dkv_reduce=dkv_reduce,
+            block_i=cfg.backward_block_i,
+            num_stages=cfg.backward_stages,
+            split_store=cfg.split_store,
+            dkv_reduce=cfg.dkv_reduce,
         )
     else:
         # The reference works in natural-log units: d lse2 / d lse = log2(e).
@@ -219,27 +216,27 @@ def _backward_op(
     return dq, dkv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
-@_backward_op.register_fake
+_backward_op = define_config_op(
+    "dsa_sparse_attention::backward",
+    "Tensor dout, Tensor? dlse2, Tensor q, Tensor kv, Tensor indices, Tensor out, Tensor lse2, "
+    "Tensor? attn_sink, float sm_scale, int d_v",
+    "(Tensor, Tensor, Tensor)",
+    SparseAttentionConfig,
+    _backward_impl,
+)
+
+
+@torch.library.register_fake("dsa_sparse_attention::backward")
 def _(dout, dlse2, q, kv, indices, out, lse2, attn_sink, *static):
     h = attn_sink.shape[0] if attn_sink is not None else 0
     return torch.empty_like(q), torch.empty_like(kv), q.new_empty(h, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, indices, attn_sink, sm_scale, d_v, *fields = inputs
-    cfg = SparseAttentionConfig(*fields)
+    q, kv, indices, attn_sink, *static = inputs
     out, lse2 = output
     ctx.save_for_backward(q, kv, indices, attn_sink, out, lse2)
-    ctx.static = (
-        sm_scale,
-        d_v,
-        cfg.backward_backend,
-        cfg.backward_block_i,
-        cfg.backward_stages,
-        cfg.split_store,
-        cfg.dkv_reduce,
-    )
-    ctx.n_static = len(inputs) - 4
+    ctx.static = static  # sm_scale, d_v and the config's fields
 
 
 def _backward(ctx, dout, dlse2):
@@ -247,10 +244,49 @@ def _backward(ctx, dout, dlse2):
     dq, dkv, dsink = _backward_op(
         dout.contiguous(), dlse2, q, kv, indices, out, lse2, attn_sink, *ctx.static
     )
-    return dq, dkv, None, dsink if attn_sink is not None else None, *(None,) * ctx.n_static
+    return dq, dkv, None, dsink if attn_sink is not None else None, *(None,) * len(ctx.static)
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "dsa_sparse_attention::forward", _backward, setup_context=_setup_context
+)
+
+
+def check_attention_inputs(
+    op: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
+) -> None:
+    """The shared checks of q [B, S, H, D] bf16, kv [B, S_kv, G, D] bf16 with H % G == 0, and
+    indices [B, S, G, topk >= 1] int32 on q's device (``sparse_attention`` and
+    ``sparse_attention_probs``)."""
+    check_tensor(op, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
+    b, s, h, d = q.shape
+    check_tensor(
+        op,
+        "kv",
+        kv,
+        dtypes=(torch.bfloat16,),
+        shape=[b, None, None, d],
+        layout=f"[B={b}, S_kv, G, D={d}]",
+        device=q.device,
+    )
+    g = kv.shape[2]
+    if g < 1 or h % g != 0:
+        raise ValueError(
+            f"{op}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
+        )
+    check_tensor(
+        op,
+        "indices",
+        indices,
+        dtypes=(torch.int32,),
+        shape=[b, s, g, None],
+        layout=f"[B={b}, S={s}, G={g}, topk]",
+        device=q.device,
+    )
+    if indices.shape[-1] < 1:
+        raise ValueError(
+            f"{op}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
+        )
 
 
 def sparse_attention(
@@ -287,35 +323,9 @@ def sparse_attention(
         sink). A row whose indices are all -1 gives exactly 0 and finite gradients.
         Differentiable w.r.t. q, kv and attn_sink (and through lse).
     """
-    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
-    b, s, h, d = q.shape
-    check_tensor(
-        _OP,
-        "kv",
-        kv,
-        dtypes=(torch.bfloat16,),
-        shape=[b, None, None, d],
-        layout=f"[B={b}, S_kv, G, D={d}]",
-        device=q.device,
-    )
-    g = kv.shape[2]
-    if g < 1 or h % g != 0:
-        raise ValueError(
-            f"{_OP}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
-        )
-    check_tensor(
-        _OP,
-        "indices",
-        indices,
-        dtypes=(torch.int32,),
-        shape=[b, s, g, None],
-        layout=f"[B={b}, S={s}, G={g}, topk]",
-        device=q.device,
-    )
-    if indices.shape[-1] < 1:
-        raise ValueError(
-            f"{_OP}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
-        )
+    check_attention_inputs(_OP, q, kv, indices)
+    d = q.shape[-1]
+    h = q.shape[2]
     if d_v is None:
         d_v = min(d, 512)
     check_int(_OP, "d_v", d_v, minimum=1)
@@ -334,6 +344,5 @@ def sparse_attention(
     cfg = resolve_config(q, kv, d_v=d_v, config=config).config
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)
-    fields = tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
-    out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *fields)
+    out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *config_fields(cfg))
     return (out, lse2 * LN2) if return_lse else out

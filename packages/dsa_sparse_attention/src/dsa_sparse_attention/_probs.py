@@ -6,6 +6,7 @@ import torch
 from kernel_common import check_indices, check_tensor
 
 from dsa_sparse_attention import reference
+from dsa_sparse_attention._ops import check_attention_inputs
 
 _OP = "sparse_attention_probs"
 
@@ -73,35 +74,8 @@ def sparse_attention_probs(
         ``[0, S_kv)``, which the torch reference rejects), the same value at each occurrence of
         a duplicated index. Not differentiable.
     """
-    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), shape=[None] * 4, layout="[B, S, H, D]")
+    check_attention_inputs(_OP, q, kv, indices)
     b, s, h, d = q.shape
-    check_tensor(
-        _OP,
-        "kv",
-        kv,
-        dtypes=(torch.bfloat16,),
-        shape=[b, None, None, d],
-        layout=f"[B={b}, S_kv, G, D={d}]",
-        device=q.device,
-    )
-    g = kv.shape[2]
-    if g < 1 or h % g != 0:
-        raise ValueError(
-            f"{_OP}: q heads H={h} must be divisible by the kv groups G={g} (kv.shape[2])"
-        )
-    check_tensor(
-        _OP,
-        "indices",
-        indices,
-        dtypes=(torch.int32,),
-        shape=[b, s, g, None],
-        layout=f"[B={b}, S={s}, G={g}, topk]",
-        device=q.device,
-    )
-    if indices.shape[-1] < 1:
-        raise ValueError(
-            f"{_OP}: indices must have topk >= 1 entries per row, got shape {list(indices.shape)}"
-        )
     check_tensor(
         _OP,
         "lse",

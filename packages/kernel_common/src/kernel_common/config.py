@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import torch
+
 C = TypeVar("C")
 
 
@@ -161,3 +163,39 @@ class ConfigTable(Generic[C]):
 
     def __repr__(self) -> str:
         return f"ConfigTable({self.name!r}, {len(self._rows)} rows)"
+
+
+# Custom ops take no dataclasses: a resolved config crosses one as its fields, typed, in
+# declaration order. These two functions are that conversion, for every op of every package.
+_SCHEMA_TYPES = {"str": "str", "int": "int", "bool": "bool", "float": "float"}
+
+
+def config_schema(config_type: type) -> str:
+    """The fields of a config dataclass as custom-op schema arguments, in declaration order
+    (``"str backend, int block, ..."``), for ``torch.library.define``."""
+    args = []
+    for f in dataclasses.fields(config_type):
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if kind not in _SCHEMA_TYPES:
+            raise TypeError(f"{config_type.__name__}.{f.name}: a custom op cannot take {kind}")
+        args.append(f"{_SCHEMA_TYPES[kind]} {f.name}")
+    return ", ".join(args)
+
+
+def config_fields(config: Any) -> tuple:
+    """The values of ``config``'s fields in declaration order (the op arguments of
+    :func:`config_schema`); the op rebuilds the config with ``type(config)(*fields)``."""
+    return tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+
+
+def define_config_op(
+    qualname: str, args: str, returns: str, config_type: type, impl: Callable
+) -> torch._ops.OpOverloadPacket:
+    """Define the custom op ``qualname`` (``"ns::name"``) taking ``args`` (schema text) and then
+    ``config_type``'s fields (:func:`config_schema`), with ``impl`` as its implementation on every
+    device; returns the op (``torch.ops.ns.name``). Register its fake and autograd with
+    ``torch.library.register_fake`` / ``register_autograd`` on ``qualname``."""
+    torch.library.define(qualname, f"({args}, {config_schema(config_type)}) -> {returns}")
+    torch.library.impl(qualname, "default", impl)
+    namespace, name = qualname.split("::")
+    return getattr(getattr(torch.ops, namespace), name)

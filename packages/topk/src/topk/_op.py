@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kernel_common import check_int, check_tensor
+from kernel_common import check_int, check_tensor, config_fields, define_config_op
 
 from topk.config import TopkConfig, resolve_config
 from topk.reference import ranged_topk_reference
@@ -11,20 +11,15 @@ from topk.reference import ranged_topk_reference
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("topk::ranged_topk", mutates_args=())
-def _ranged_topk_op(
+def _ranged_topk_impl(
     scores: torch.Tensor,
     k: int,
     starts: torch.Tensor | None,
     ends: torch.Tensor | None,
-    backend: str,
-    num_warps: int,
-    warps_per_sm: int,
-    reps: int,
-    prefetch: int,
+    *config,
 ) -> torch.Tensor:
     # The resolved TopkConfig's fields in declaration order (custom ops take no dataclasses).
-    cfg = TopkConfig(backend, num_warps, warps_per_sm, reps, prefetch)
+    cfg = TopkConfig(*config)
     lead, n = scores.shape[:-1], scores.shape[-1]
     flat = scores.reshape(-1, n)
     rows = flat.shape[0]
@@ -51,7 +46,16 @@ def _ranged_topk_op(
     return ranged_topk_reference(flat, k, lo, hi).reshape(*lead, k)
 
 
-@_ranged_topk_op.register_fake
+_ranged_topk_op = define_config_op(
+    "topk::ranged_topk",
+    "Tensor scores, int k, Tensor? starts, Tensor? ends",
+    "Tensor",
+    TopkConfig,
+    _ranged_topk_impl,
+)
+
+
+@torch.library.register_fake("topk::ranged_topk")
 def _(scores, k, starts, ends, *config):
     return scores.new_empty((*scores.shape[:-1], k), dtype=torch.int32)
 
@@ -99,6 +103,5 @@ def ranged_topk(
                 layout="scores.shape[:-1]",
                 device=scores.device,
             )
-    cfg = resolve_config(scores, config).config
-    fields = (cfg.backend, cfg.num_warps, cfg.warps_per_sm, cfg.reps, cfg.prefetch)
+    fields = config_fields(resolve_config(scores, config).config)
     return _ranged_topk_op(scores, k, starts, ends, *fields)
