@@ -20,10 +20,12 @@ import triton.language as tl
 from kernel_common import next_pow2
 from kernel_common.constants import LOG2E
 
-# Launch: 64 slots per step (the N side of the product), 8 warps so that the [64, 512] bf16
-# query block stays resident, 2 stages of the key gather in flight.
+# Launch: 64 slots per step (the N side of the product), one warpgroup, 2 stages of the key
+# gather in flight: the fastest of 32/64/128 slots x 4/8 warps x 1/2/3 stages at glm5 64 and 8
+# heads, 16k tokens on the H200 (10.3 and 5.7 ms; 8 warps 15.3 and 6.6 ms;
+# benchmarks/results/probs_sweep.log).
 _BLOCK_K = 64
-_WARPS = 8
+_WARPS = 4
 _STAGES = 2
 _MAX_HEAD_BLOCK = 64
 
