@@ -288,7 +288,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         [f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}" for r in rows],
         [
             ("forward", [r["fwd_ms"] for r in rows]),
-            ("forward+backward", [r["fwd_bwd_ms"] for r in rows]),
+            ("forward+backward", [r.get("fwd_bwd_ms") for r in rows]),
         ],
         ylabel="ms (median)",
         title="sparse_attention",
