@@ -1,15 +1,18 @@
-"""A small sparse-attention forward + backward for ``compute-sanitizer --tool memcheck``.
+"""Small calls of every GPU op for ``compute-sanitizer --tool memcheck``.
 
 Covers the padding cases the kernels must survive without touching memory out of bounds: -1
 tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
-that is not a block multiple. Each case runs the public ``sparse_attention`` with the table's
-config for its shape. Run on the GPU host:
+that is not a block multiple. Each case runs the public ``sparse_attention`` (forward and
+backward, the table's config for its shape) and ``sparse_attention_probs`` on the same indices;
+then ``lightning_indexer`` in several logits blocks (forward, backward) and ``indexer_kl_loss``
+(forward, backward) on its scores. Run on the GPU host:
 
     compute-sanitizer --tool memcheck python -m dsa_bench.memcheck
 """
 
 import torch
-from dsa_sparse_attention import sparse_attention
+from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer
+from dsa_sparse_attention import sparse_attention, sparse_attention_probs
 
 from dsa_bench import common
 
@@ -39,9 +42,28 @@ def main() -> None:
         grads = torch.autograd.grad(
             (out.float().square().sum(), torch.where(torch.isfinite(lse), lse, 0).sum()), leaves
         )
+        target = sparse_attention_probs(q.detach(), kv.detach(), idx, lse.detach())
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(g.float()).all()) for g in grads)
-        print(f"heads={heads} dim={dim} topk={topk} sink={sink}: grads finite={finite}")
+        print(
+            f"heads={heads} dim={dim} topk={topk} sink={sink}: grads finite={finite}, "
+            f"target finite={bool(torch.isfinite(target).all())}"
+        )
+    # The indexer: 5 blocks of 64 rows over packed causal ranges, then the KL loss.
+    t, heads, d, topk = 300, 32, 128, 64
+    cu = torch.tensor([0, 1, 130, 300], device="cuda", dtype=torch.int32)
+    starts, ends = causal_ranges(cu, t)
+    iq = torch.randn(t, heads, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    ik = torch.randn(t, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    iw = torch.randn(t, heads, device="cuda", generator=gen).requires_grad_()
+    scores, indices = lightning_indexer(
+        iq, ik, iw, starts, ends, topk, logits_budget_bytes=64 * t * 4
+    )
+    loss = indexer_kl_loss(scores, torch.rand(t, topk, device="cuda", generator=gen))
+    loss.backward()
+    torch.cuda.synchronize()
+    print(f"indexer: {int((indices >= 0).sum())} selected, kl {float(loss):.4f}, dq finite="
+          f"{bool(torch.isfinite(iq.grad.float()).all())}")  # fmt: skip
 
 
 if __name__ == "__main__":
