@@ -92,3 +92,34 @@ def test_gpu_blocks_equal_one_pass(rows):
     ]
     assert torch.equal(idx >= 0, ref_idx >= 0)
     torch.testing.assert_close(picked[0].sort(1).values, picked[1].sort(1).values)
+
+
+@pytest.mark.gpu
+def test_gpu_blocks_capture_in_a_cuda_graph():
+    """The blocked path (two streams) inside a CUDA graph: replays give the eager indices, also
+    for new inputs copied into the captured ones."""
+    gen = seeded_gen("lightning graph")
+    cu = cu_seqlens([500, 1, 523]).cuda()
+    inputs = [indexer_inputs(1024, 1024, 32, 128, gen, device="cuda") for _ in range(2)]
+    starts, ends = causal_ranges(cu, 1024)
+    budget = 4 * 1024 * 128  # blocks of 128 rows: 64 per stream
+
+    def run(q, k, w):
+        return lightning_indexer(q, k, w, starts, ends, 64, logits_budget_bytes=budget)[1]
+
+    q, k, w = (x.clone() for x in inputs[0])
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(q, k, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(q, k, w)
+        for new in inputs:
+            for dst, src in zip((q, k, w), new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, run(*new))

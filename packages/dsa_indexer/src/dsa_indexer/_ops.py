@@ -268,6 +268,16 @@ def _block_rows(op: str, t_kv: int, budget: int) -> int:
     return rows if rows < _BLOCK_ALIGN else rows // _BLOCK_ALIGN * _BLOCK_ALIGN
 
 
+# Two CUDA streams per device for the blocked path (created once; see _blocks_on_lanes).
+_LANES: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _lanes(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    if device not in _LANES:
+        _LANES[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _LANES[device]
+
+
 def _lightning_indices_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -279,26 +289,63 @@ def _lightning_indices_impl(
     *config,
 ) -> torch.Tensor:
     cfg = IndexerConfig(*config)
-    t_q, t_kv = q.shape[0], k.shape[0]
+    t_q = q.shape[0]
     indices = torch.empty(t_q, topk, dtype=torch.int32, device=q.device)
-    block = None
-    # One block of query rows at a time: its logits (unclean: the top-k reads only each row's
-    # range) and their top-k. The block buffer is reused, so the extra memory is one block,
-    # whatever T * T_kv is; every row's logits, and so its indices, are those of a whole pass.
-    for r0 in range(0, t_q, block_rows):
-        r1 = min(t_q, r0 + block_rows)
-        rows = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
-        if cfg.backend == "triton":
-            from dsa_indexer._triton.logits import indexer_logits_into
-
-            if block is None:
-                block = q.new_empty((min(block_rows, t_q), t_kv), dtype=torch.float32)
-            logits = block[: r1 - r0]
-            indexer_logits_into(logits, *rows, False, config=cfg)
-        else:
-            logits = reference.indexer_logits_reference(*rows)
-        indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
+    if cfg.backend != "triton":
+        # One block of query rows at a time: its logits, then their top-k. Every row's logits,
+        # and so its indices, are those of a whole pass.
+        for r0 in range(0, t_q, block_rows):
+            r1 = min(t_q, r0 + block_rows)
+            logits = reference.indexer_logits_reference(
+                q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1]
+            )
+            indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
+        return indices
+    rows = (q, k, weights, starts, ends)
+    if t_q <= block_rows:
+        buffer = q.new_empty((t_q, k.shape[0]), dtype=torch.float32)
+        _logits_topk_block(indices, rows, 0, t_q, buffer, topk, cfg)
+        return indices
+    _blocks_on_lanes(indices, rows, block_rows, topk, cfg)
     return indices
+
+
+def _logits_topk_block(indices, rows, r0, r1, buffer, topk, cfg) -> None:
+    """Rows [r0, r1): their logits into ``buffer`` (unclean: the top-k reads only each row's
+    range), then their top-k into ``indices``, on the current stream."""
+    from dsa_indexer._triton.logits import indexer_logits_into
+
+    q, k, weights, starts, ends = rows
+    logits = buffer[: r1 - r0]
+    indexer_logits_into(
+        logits, q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1], False, config=cfg
+    )
+    indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
+
+
+def _blocks_on_lanes(indices, rows, block_rows, topk, cfg) -> None:
+    """The blocks of an input longer than one block, alternating between two streams with a
+    buffer of half the budget each. A block's logits grid alone is under two waves (2048 rows
+    at 128k keys are 512 programs), so on one stream each block ends with a partly idle GPU;
+    two independent blocks in flight fill it. Both streams start after, and the caller's stream
+    continues after, all the blocks (CUDA-graph capture records the fork and the join)."""
+    q, k = rows[0], rows[1]
+    half = max(1, block_rows // 2)
+    half = half if half < _BLOCK_ALIGN else half // _BLOCK_ALIGN * _BLOCK_ALIGN
+    main = torch.cuda.current_stream(q.device)
+    lanes = _lanes(q.device)
+    buffers = [q.new_empty((half, k.shape[0]), dtype=torch.float32) for _ in lanes]
+    for lane in lanes:
+        lane.wait_stream(main)
+    for i, r0 in enumerate(range(0, q.shape[0], half)):
+        with torch.cuda.stream(lanes[i % 2]):
+            _logits_topk_block(
+                indices, rows, r0, min(q.shape[0], r0 + half), buffers[i % 2], topk, cfg
+            )
+    for lane in lanes:
+        main.wait_stream(lane)
+    # The buffers were allocated on the caller's stream, which has waited for both lanes: they
+    # may be reused from here on.
 
 
 _lightning_indices_op = define_config_op(
