@@ -160,7 +160,7 @@ def test_opcheck():
     torch.library.opcheck(ops.indexer_topk_scores.default, (qq, kk, ww, idx, *fields))
     g = torch.randn(12, 5, generator=seeded_gen("grad"))
     torch.library.opcheck(ops.indexer_topk_scores_backward.default, (g, q, k, w, idx, *fields))
-    block = _block_rows("test", k.shape[0], 4 * k.shape[0] * 5)
+    block = _block_rows("test", q.shape[0], k.shape[0], 4 * k.shape[0] * 5)
     torch.library.opcheck(ops.lightning_indices.default, (q, k, w, s, e, 4, block, *fields))
 
 

@@ -58,6 +58,15 @@ def test_blocks_respect_the_budget(monkeypatch):
     assert max(r * c * 4 for r, c in shapes) <= budget < 4 * t_q * t_kv
 
 
+def test_no_keys():
+    """No key at all (e.g. ratio-4 keys of segments shorter than 4 tokens): every row is -1."""
+    q, k, w, starts, ends = _inputs([3, 2, 1], 4, 0)
+    assert k.shape[0] == 0
+    scores, idx = lightning_indexer(q, k, w, starts, ends, 5, logits_budget_bytes=1)
+    assert torch.equal(idx, torch.full((6, 5), -1, dtype=torch.int32))
+    assert torch.isneginf(scores).all()
+
+
 def test_budget_validation():
     q, k, w, starts, ends = _inputs([40], 1, 0)
     with pytest.raises(ValueError, match=r"logits_budget_bytes=159 is below one row of logits"):
@@ -69,7 +78,7 @@ def test_budget_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [64, 192, 10_000])
+@pytest.mark.parametrize("rows", [1, 64, 192, 10_000])
 def test_gpu_blocks_equal_one_pass(rows):
     """On the GPU, the blocked Triton path gives bit for bit the indices of one pass over the
     whole logits (the same kernels), and those select the reference's scores."""

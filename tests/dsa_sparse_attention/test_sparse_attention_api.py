@@ -216,6 +216,13 @@ def test_ops_take_the_config_fields_in_declaration_order():
     ]  # fmt: skip
 
 
+def test_rocm_gets_the_torch_reference(monkeypatch):
+    """No kernel here is built for ROCm: its devices resolve to the torch reference."""
+    monkeypatch.setenv(ARCH_ENV, "gfx942")
+    found = resolve_config(fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576))
+    assert found.config == TORCH_CONFIG and found.source.startswith("gfx942")
+
+
 def test_forward_op_returns_the_lse_in_log2_units():
     q, kv, idx, sink = make(h=4, g=2, d=40, sink=True)
     fields = _fields(resolve_config(q, kv, d_v=32).config)

@@ -92,3 +92,27 @@ def test_enumeration_and_json_round_trip():
     bad = t.to_json().replace('"block"', '"blok"')
     with pytest.raises(ValueError, match="bad config"):
         t.from_json(bad)
+
+
+def test_config_schema_and_fields():
+    """Config dataclasses cross custom ops as their fields: schema text in declaration order,
+    values in the same order; a field a custom op cannot take is refused."""
+    from kernel_common.config import config_fields, config_schema
+
+    @dataclass(frozen=True)
+    class Op:
+        backend: str = "triton"
+        block: int = 64
+        rotate: bool = False
+        scale: float = 0.5
+
+    assert config_schema(Op) == "str backend, int block, bool rotate, float scale"
+    assert config_fields(Op(block=32)) == ("triton", 32, False, 0.5)
+    assert Op(*config_fields(Op(block=32))) == Op(block=32)
+
+    @dataclass(frozen=True)
+    class Bad:
+        sizes: tuple = (1, 2)
+
+    with pytest.raises(TypeError, match=r"Bad\.sizes: a custom op cannot take tuple"):
+        config_schema(Bad)

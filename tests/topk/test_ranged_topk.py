@@ -210,3 +210,6 @@ def test_resolve_config_on_cuda(monkeypatch):
     monkeypatch.setenv(ARCH_ENV, "sm_100")
     assert resolve_config(scores).source == "default"
     assert resolve_config(scores).config == TOPK_CONFIGS.default
+    # ROCm: the kernel's L2 prefetch is inline PTX, so the reference runs.
+    monkeypatch.setenv(ARCH_ENV, "gfx942")
+    assert resolve_config(scores).config.backend == "torch"

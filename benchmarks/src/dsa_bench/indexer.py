@@ -472,11 +472,11 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
             "T": t,
             "T_kv": t_kv,
             "budget": budget_name,
-            "block_rows": min(t, _block_rows("bench", t_kv, budget)),
+            "block_rows": min(t, _block_rows("bench", t, t_kv, budget)),
             "fwd_ms": fwd,
             "fwd_bwd_ms": fb,
             "logits_tflops": 2.0 * HEADS * DIM * pairs / fwd / 1e9,
-            "logits_block_gib": 4 * min(t, _block_rows("bench", t_kv, budget)) * t_kv / 2**30,
+            "logits_block_gib": 4 * min(t, _block_rows("bench", t, t_kv, budget)) * t_kv / 2**30,
             "fwd_peak_gib": fwd_peak / 2**30,
             "peak_extra_gib": peak / 2**30,
         }
@@ -490,13 +490,13 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
 
 
 def lightning(out: Path):
-    """``lightning_indexer`` forward and forward+backward (topk 2048) with the default logits
-    budget and with one block of all rows (the whole logits, as before the budget existed):
-    time, logits TFLOP/s over in-range pairs, and memory: the logits block, the peak above the
-    inputs during the forward and over forward+backward (:func:`_memory`; at 128k the scores and
-    indices are 2 GiB, the upstream gradient and dq 1 GiB each). Every budget's indices are
-    checked equal to the default budget's. Budgets: the default 1 GiB, 2 GiB, and one block of
-    all rows (the whole logits, as before the budget existed)."""
+    """``lightning_indexer`` forward and forward+backward (topk 2048) at three logits budgets:
+    the default 1 GiB, 2 GiB, and one block of all rows (the whole logits, as before the budget
+    existed). Time, logits TFLOP/s over in-range pairs, and memory: the budget's rows and bytes
+    (``block_rows`` / ``logits_block_gib``; past one block they run as two half blocks on two
+    streams), the peak above the inputs during the forward and over forward+backward
+    (:func:`_memory`; at 128k the scores and indices are 2 GiB, the upstream gradient and dq
+    1 GiB each). Every budget's indices are checked equal to the default budget's."""
     rows = []
     for case in _lightning_cases():
         _lightning_case(*case, rows)

@@ -112,19 +112,26 @@ def probs_sweep(tokens: int = 16384) -> None:
         call = partial(sparse_attention_probs, q, kv, idx, lse)
         want = call()
         results = []
-        for block_k in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    kernel._BLOCK_K, kernel._WARPS, kernel._STAGES = block_k, warps, stages
-                    try:
-                        got = call()
-                        ms = common.time_ms(call)
-                    except Exception as e:  # e.g. out of shared memory for this candidate
-                        print(f"heads={heads} {block_k}/{warps}/{stages}: {type(e).__name__}")
-                        continue
-                    results.append((ms, block_k, warps, stages, rel_diff(got, want)))
-                    print(f"heads={heads} block_k={block_k} warps={warps} stages={stages}: "
-                          f"{ms:.3f} ms", flush=True)  # fmt: skip
+        saved = kernel._BLOCK_K, kernel._WARPS, kernel._STAGES
+        try:
+            for block_k in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        kernel._BLOCK_K, kernel._WARPS, kernel._STAGES = block_k, warps, stages
+                        try:
+                            got = call()
+                            ms = common.time_ms(call)
+                        except Exception as e:  # e.g. out of shared memory for this candidate
+                            print(f"heads={heads} {block_k}/{warps}/{stages}: {type(e).__name__}")
+                            continue
+                        results.append((ms, block_k, warps, stages, rel_diff(got, want)))
+                        print(f"heads={heads} block_k={block_k} warps={warps} stages={stages}: "
+                              f"{ms:.3f} ms", flush=True)  # fmt: skip
+        finally:
+            kernel._BLOCK_K, kernel._WARPS, kernel._STAGES = saved
+        if not results:
+            print(f"heads={heads}: no candidate ran")
+            continue
         best = min(results)
         print(f"best at {heads} heads: {best[0]:.3f} ms block_k={best[1]} warps={best[2]} "
               f"stages={best[3]} (rel_diff vs the default {best[4]:.1e})", flush=True)  # fmt: skip

@@ -49,7 +49,8 @@ def main() -> None:
             f"heads={heads} dim={dim} topk={topk} sink={sink}: grads finite={finite}, "
             f"target finite={bool(torch.isfinite(target).all())}"
         )
-    # The indexer: 5 blocks of 64 rows over packed causal ranges, then the KL loss.
+    # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
+    # then the KL loss.
     t, heads, d, topk = 300, 32, 128, 64
     cu = torch.tensor([0, 1, 130, 300], device="cuda", dtype=torch.int32)
     starts, ends = causal_ranges(cu, t)

@@ -2,7 +2,7 @@
 
 Each entry checks its arguments and resolves one complete :class:`IndexerConfig`
 (:func:`dsa_indexer.resolve_config`); the custom ops receive its fields as typed static arguments
-(custom ops take no dataclasses; ``kernel_common.config_schema`` writes them into each op's
+(custom ops take no dataclasses; ``kernel_common.define_config_op`` writes them into each op's
 schema) in declaration order, rebuild the config and run the Triton kernels or the torch
 reference.
 """
@@ -256,8 +256,11 @@ rows of 131072 keys; shorter inputs fit whole)."""
 _BLOCK_ALIGN = 64
 
 
-def _block_rows(op: str, t_kv: int, budget: int) -> int:
-    """Query rows per logits block for a budget of ``budget`` bytes (fp32 logits)."""
+def _block_rows(op: str, t_q: int, t_kv: int, budget: int) -> int:
+    """Query rows per logits block for a budget of ``budget`` bytes (fp32 logits); all rows
+    when there are no keys (no logits at all)."""
+    if t_kv == 0:
+        return max(t_q, 1)
     row = 4 * t_kv
     if budget < row:
         raise ValueError(
@@ -302,9 +305,11 @@ def _lightning_indices_impl(
             indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
         return indices
     rows = (q, k, weights, starts, ends)
-    if t_q <= block_rows:
-        buffer = q.new_empty((t_q, k.shape[0]), dtype=torch.float32)
-        _logits_topk_block(indices, rows, 0, t_q, buffer, topk, cfg)
+    if t_q <= block_rows or block_rows < 2:
+        # One stream (a single block, or blocks of one row that cannot be halved).
+        buffer = q.new_empty((min(t_q, block_rows), k.shape[0]), dtype=torch.float32)
+        for r0 in range(0, t_q, block_rows):
+            _logits_topk_block(indices, rows, r0, min(t_q, r0 + block_rows), buffer, topk, cfg)
         return indices
     _blocks_on_lanes(indices, rows, block_rows, topk, cfg)
     return indices
@@ -330,7 +335,7 @@ def _blocks_on_lanes(indices, rows, block_rows, topk, cfg) -> None:
     two independent blocks in flight fill it. Both streams start after, and the caller's stream
     continues after, all the blocks (CUDA-graph capture records the fork and the join)."""
     q, k = rows[0], rows[1]
-    half = max(1, block_rows // 2)
+    half = block_rows // 2  # >= 1: the caller runs blocks of one row on one stream
     half = half if half < _BLOCK_ALIGN else half // _BLOCK_ALIGN * _BLOCK_ALIGN
     main = torch.cuda.current_stream(q.device)
     lanes = _lanes(q.device)
@@ -376,9 +381,10 @@ def lightning_indexer(
     """Indexer logits -> exact ranged top-k -> differentiable scores, in bounded memory.
 
     Arguments as in :func:`indexer_logits`; ``topk >= 1``. The logits are computed and reduced
-    to their top-k one block of query rows at a time, so at most ``logits_budget_bytes`` of
-    fp32 logits exist at once (default 1 GiB; at least one row, ``4 * T_kv`` bytes), never the
-    whole ``[T, T_kv]``: the extra memory does not grow with ``T * T_kv``. The indices are the
+    to their top-k in blocks of query rows (on CUDA, past one block, two half-size blocks are in
+    flight on two streams), so at most ``logits_budget_bytes`` of fp32 logits exist at once
+    (default 1 GiB; at least one row, ``4 * T_kv`` bytes), never the whole ``[T, T_kv]``: the
+    extra memory does not grow with ``T * T_kv``. The indices are the
     same as those of one pass over the whole logits. No host synchronisation (CUDA graphs and
     ``torch.compile`` see one op).
 
@@ -392,7 +398,7 @@ def lightning_indexer(
     _check_ranges(op, q, starts, ends)
     check_int(op, "topk", topk, minimum=1)
     check_int(op, "logits_budget_bytes", logits_budget_bytes, minimum=1)
-    block_rows = _block_rows(op, k.shape[0], logits_budget_bytes)
+    block_rows = _block_rows(op, q.shape[0], k.shape[0], logits_budget_bytes)
     fields = _config_fields(q, config)
     indices = _lightning_indices_op(q, k, weights, starts, ends, topk, block_rows, *fields)
     return _topk_scores_op(q, k, weights, indices, *fields), indices

@@ -106,7 +106,7 @@ TORCH_CONFIG = IndexerConfig(backend="torch")
 DEFAULT_CONFIG = IndexerConfig()
 
 _MEASURED = (
-    "measured H200 (bench_indexer.py --sweep and --backward-sweep, 16k causal / packed8, 4k;"
+    "measured H200 (dsa_bench.indexer --sweep and --backward-sweep, 16k causal / packed8, 4k;"
     " --window-sweep, 64k / 128k)"
 )
 
@@ -130,7 +130,7 @@ _SWEEP = {
 # Keys per backward pass on Hopper: the pass's fp32 dk scratch (512 B a key at D = 128) and bf16
 # key rows (256 B) take 48 MB of the 60 MB L2; 64k-key causal inputs, whose whole scratch is that
 # size, ran at 2.7-2.9x the backward floor, 128k keys in one pass at 3.0-3.4x. Measured at 8, 32
-# and 64 heads on 128k causal keys (bench_indexer.py --window-sweep: 51.9 -> 45.9, 51.3 -> 48.3,
+# and 64 heads on 128k causal keys (dsa_bench.indexer --window-sweep: 51.9 -> 45.9, 51.3 -> 48.3,
 # 77.8 -> 68.1 ms; 32768-key windows gained less); 16 heads takes the same window untimed.
 _HOPPER_KEY_WINDOW = 65536
 

@@ -44,6 +44,12 @@ def indexer_logits_reference(
     return out
 
 
+def _with_a_key(k: torch.Tensor) -> torch.Tensor:
+    """``k``, with one zero row when it has none: -1 slots gather row 0 (clamped) and are masked
+    afterwards, so an input without keys (all -1) needs a row to gather."""
+    return k if k.shape[0] else k.new_zeros(1, k.shape[1])
+
+
 def _gathered_scores(q, k, weights, indices, dtype):
     """Per-head pre-activation scores [t, H, topk] at the selected columns (clamped -1 -> 0)."""
     keys = k.to(dtype)[indices.clamp(min=0).long()]  # [t, topk, D]
@@ -62,6 +68,7 @@ def indexer_topk_scores_reference(
 
     float32 [T, topk] (float64 when ``dtype`` is float64).
     """
+    k = _with_a_key(k)
     t_q, heads, d = q.shape
     topk = indices.shape[1]
     out = torch.empty(t_q, topk, dtype=torch.promote_types(dtype, torch.float32), device=q.device)
@@ -90,6 +97,8 @@ def indexer_topk_scores_backward_reference(
     duplicated index contributes once per occurrence. Returns (dq in q.dtype, dk in k.dtype,
     dweights float32).
     """
+    t_kv = k.shape[0]
+    k = _with_a_key(k)
     t_q, heads, d = q.shape
     topk = indices.shape[1]
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -109,7 +118,7 @@ def indexer_topk_scores_backward_reference(
         dq[t0:t1] = torch.einsum("thj,tjd->thd", ds, keys)
         dkeys = torch.einsum("thj,thd->tjd", ds, q[t0:t1].to(dtype))
         dk.index_add_(0, idx.clamp(min=0).reshape(-1).long(), dkeys.reshape(-1, d))
-    return dq.to(q.dtype), dk.to(k.dtype), dw.to(torch.promote_types(dtype, torch.float32))
+    return dq.to(q.dtype), dk[:t_kv].to(k.dtype), dw.to(torch.promote_types(dtype, torch.float32))
 
 
 def _kl_parts(scores: torch.Tensor, target: torch.Tensor, dtype: torch.dtype):

@@ -38,8 +38,11 @@ _OP = "sparse_attention"
 def _table_lookup(
     arch: Arch, heads: int, groups: int, dim: int, d_v: int, config: SparseAttentionConfig | None
 ) -> Lookup[SparseAttentionConfig]:
-    """The config for these static shapes on a CUDA ``arch``: the caller's or the table row, with
-    a FlashMLA forward replaced by the one that runs where FlashMLA cannot."""
+    """The config for these static shapes on a GPU ``arch``: the caller's or the table row, with
+    a FlashMLA forward replaced by the one that runs where FlashMLA cannot. ROCm devices get
+    the torch reference unless the caller asks for more (no kernel here is built for them)."""
+    if arch.vendor != "cuda" and config is None:
+        return Lookup(TORCH_CONFIG, f"{arch.sm}: the torch reference", ())
     found = CONFIG_TABLE.lookup(config, arch_major=arch.major, rope_tail=dim > d_v, heads=heads)
     cfg = found.config
     if cfg.forward_backend == "flash_mla" and not (
@@ -125,14 +128,16 @@ def _forward_impl(
     *config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = SparseAttentionConfig(*config)
-    if q.device.type != "cuda" or cfg.forward_backend == "torch":
+    arch = device_arch(q.device) if q.device.type == "cuda" else None
+    if arch is not None:
+        # Both halves of the config, before anything runs: the backward's too.
+        _check_runnable(cfg, arch, q.shape[2], kv.shape[2], q.shape[3], d_v)
+    if arch is None or cfg.forward_backend == "torch":
         check_indices(_OP, "indices", indices, kv.shape[1], "S_kv")
         out, lse = reference.sparse_attention_forward_reference(
             q, kv, indices, sm_scale, d_v, attn_sink
         )
         return out, lse * LOG2E
-    arch = device_arch(q.device)
-    _check_runnable(cfg, arch, q.shape[2], kv.shape[2], q.shape[3], d_v)
     if cfg.forward_backend == "flash_mla":
         return _flash_mla.sparse_attention_forward_flash_mla(
             q, kv, indices, attn_sink, sm_scale, d_v, arch.major

@@ -40,14 +40,14 @@ def precompile(
 
     Args:
         shapes: the static shapes, e.g. ``AttentionShape(heads=8, d_qk=576, d_v=512, topk=2048)``.
-        arch: the arch to build for (``"sm_90"``, an :class:`Arch`); default the current device's.
-            Compiling needs nvcc, not a GPU.
+        arch: the arch to build for (``"sm_90"``, an :class:`Arch`); default the current device's
+            (a ``ValueError`` without a GPU). Compiling needs nvcc, not a GPU.
         config: the config the calls will pass, default each shape's table row.
         max_workers: parallel builds.
 
     Returns:
         The number of kernels built (or found in the cache). Shapes whose config runs no
-        TileLang kernel on ``arch`` build nothing.
+        TileLang kernel on ``arch`` build nothing, and so does any arch other than Hopper.
     """
     from dsa_sparse_attention._tilelang import (
         check_backward_config,
@@ -57,6 +57,10 @@ def precompile(
     )
 
     arch = device_arch() if arch is None else parse_arch(arch) if isinstance(arch, str) else arch
+    if arch.vendor == "cpu":
+        raise ValueError("precompile: no GPU here to build for; pass arch, e.g. arch='sm_90'")
+    if not arch.is_hopper:
+        return 0  # the TileLang kernels target Hopper only
     target = tilelang_target(arch)["arch"]
     jobs: set[tuple] = set()
     for shape in shapes:

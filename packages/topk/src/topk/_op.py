@@ -21,7 +21,7 @@ def _ranged_topk_impl(
     # The resolved TopkConfig's fields in declaration order (custom ops take no dataclasses).
     cfg = TopkConfig(*config)
     lead, n = scores.shape[:-1], scores.shape[-1]
-    flat = scores.reshape(-1, n)
+    flat = scores.reshape(lead.numel(), n)  # not -1: N may be 0
     rows = flat.shape[0]
     lo = (
         starts.reshape(rows)

@@ -58,7 +58,7 @@ class TopkConfig:
 
 TORCH_CONFIG = TopkConfig(backend="torch")
 
-# H200 (bench_topk cases, CUDA-graph timed; benchmarks/NOTES.md, top-k):
+# H200 (dsa_bench.topk cases, CUDA-graph timed; benchmarks/NOTES.md, top-k):
 # * 4 warps x 4 programs per SM beat 8 warps x 2 on the 4096-row long cases at k = 2048 (0.69 vs
 #   0.85 ms at 65536 columns, 1.12 vs 1.24 ms at 131072): more rows are in flight, and the
 #   per-row resolve, which does not scale with the row length, overlaps other programs' streams.
@@ -72,7 +72,7 @@ TOPK_CONFIGS: ConfigTable[TopkConfig] = ConfigTable(
     "topk",
     TopkConfig,
     [KeyField("arch_major")],
-    rows=[({"arch_major": 9}, _HOPPER, "measured H200 (bench_topk, CUDA-graph timed)")],
+    rows=[({"arch_major": 9}, _HOPPER, "measured H200 (dsa_bench.topk, CUDA-graph timed)")],
     default=TopkConfig(),
 )
 
@@ -82,10 +82,14 @@ def resolve_config(scores: torch.Tensor, config: TopkConfig | None = None) -> Lo
 
     CPU (any non-CUDA) tensors run the torch reference whatever ``config`` says; on a CUDA
     device it is ``config`` if given, else the table row for the arch major, else the default
-    (the H200 values, unmeasured there).
+    (the H200 values, unmeasured there); ROCm devices run the torch reference.
     """
     if config is not None and not isinstance(config, TopkConfig):
         raise TypeError(f"ranged_topk: config must be a TopkConfig, got {type(config).__name__}")
     if scores.device.type != "cuda":
         return Lookup(TORCH_CONFIG, "cpu tensors: the torch reference", ())
-    return TOPK_CONFIGS.lookup(config, arch_major=device_arch(scores.device).major)
+    arch = device_arch(scores.device)
+    if arch.vendor != "cuda":
+        # The kernel's L2 prefetch is inline PTX: ROCm runs the reference.
+        return Lookup(TORCH_CONFIG, f"{arch.sm}: the torch reference", ())
+    return TOPK_CONFIGS.lookup(config, arch_major=arch.major)

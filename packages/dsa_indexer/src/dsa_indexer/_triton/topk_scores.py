@@ -18,8 +18,8 @@ kept) and, with ``g`` the incoming gradient and ``ds = [s > 0] * w * g``:
   ``REDG.E.ADD.F32x4``), 16 per thread per 64 x 128 step; at 2 x the gathered bytes they are the
   backward's largest memory cost.
 
-Two backward variants are config knobs, since which is faster per head count has to be
-measured (``bench_indexer.py --backward-sweep``): ``backward_rotate`` starts each query's walk
+Two backward variants are config knobs, since which is faster per head count has to be measured
+(``python -m dsa_bench.indexer --backward-sweep``): ``backward_rotate`` starts each query's walk
 at its own step, so that programs running together do not add into the same dk rows at the same
 time; ``backward_dk_split = 2`` computes the dk product and its atomics in two column halves,
 for fewer live registers (Triton 3.6, sm_90, 32 heads x 128: 220 -> 164 per thread, three CTAs
