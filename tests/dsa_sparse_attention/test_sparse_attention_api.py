@@ -272,3 +272,34 @@ def test_compile_forward_backward_dynamic():
         torch.testing.assert_close(l1, l2)
         for a, b in zip(eager, comp, strict=True):
             torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dim,topk,sink", [(64, 576, 2048, False), (8, 512, 640, True)])
+def test_gpu_public_op_against_the_reference(heads, dim, topk, sink):
+    """The public entry on CUDA with the table's config (custom ops, TileLang forward and
+    backward, the lse through autograd) against the fp32 torch reference."""
+    from dsa_sparse_attention import reference
+
+    gen = seeded_gen("public op gpu", heads, dim, topk, sink)
+    s, s_kv = 96, 2500
+    q, kv, attn_sink = attention_inputs(1, s, s_kv, heads, 1, dim, gen, sink=sink, device="cuda")
+    idx = attention_indices(1, s, 1, topk, s_kv, "shuffled", gen, device="cuda")
+    leaves = [x.clone().requires_grad_() for x in (q, kv) + ((attn_sink,) if sink else ())]
+    out, lse = sparse_attention(
+        leaves[0], leaves[1], idx, attn_sink=leaves[2] if sink else None, return_lse=True
+    )
+    dout = torch.randn(out.shape, generator=gen).bfloat16().cuda()
+    dlse = torch.randn(lse.shape, generator=gen).cuda()
+    grads = torch.autograd.grad((out.float() * dout.float()).sum() + (lse * dlse).sum(), leaves)
+    scale = dim**-0.5
+    ref_out, ref_lse = reference.sparse_attention_forward_reference(
+        q, kv, idx, scale, 512, attn_sink
+    )
+    ref = reference.sparse_attention_backward_reference(
+        dout, dlse, q, kv, idx, ref_lse, scale, 512, attn_sink
+    )
+    assert_close(out, ref_out, name="out")
+    assert_close(lse, ref_lse, name="lse")
+    for name, got, want in zip(("dq", "dkv", "dsink"), grads, ref, strict=False):
+        assert_close(got, want, name=name)
