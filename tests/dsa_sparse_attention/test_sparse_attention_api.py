@@ -86,6 +86,7 @@ def test_config_validation():
         (dict(forward_block_i=0), "SparseAttentionConfig.forward_block_i must be a positive int"),
         (dict(backward_stages=None), "SparseAttentionConfig.backward_stages"),
         (dict(split_store=True), "SparseAttentionConfig.split_store"),
+        (dict(deterministic=1), "SparseAttentionConfig.deterministic must be a bool"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -104,6 +105,7 @@ def test_defaults_are_the_tilelang_kernels():
         backward_stages=1,
         split_store=2,
         dkv_reduce="tma",
+        deterministic=False,
     )
     one = SparseAttentionConfig(backward_block_i=64)
     assert (one.forward_backend, one.backward_backend) == ("tilelang", "tilelang")
@@ -112,64 +114,94 @@ def test_defaults_are_the_tilelang_kernels():
 
 def test_resolve_config_on_cpu_is_the_torch_reference(monkeypatch):
     """CPU tensors run the torch reference whatever the caller passes or the arch claims."""
-    q, kv, _, _ = make()
+    q, kv, idx, _ = make()
     for arch in (None, "sm_90"):
         if arch is None:
             monkeypatch.delenv(ARCH_ENV, raising=False)
         else:
             monkeypatch.setenv(ARCH_ENV, arch)
-        found = resolve_config(q, kv, d_v=32)
+        found = resolve_config(q, kv, idx, d_v=32)
         assert found.config == TORCH_CONFIG and found.source.startswith("cpu tensors")
-        mine = resolve_config(q, kv, d_v=32, config=SparseAttentionConfig(split_store=4))
+        mine = resolve_config(q, kv, idx, d_v=32, config=SparseAttentionConfig(split_store=4))
         assert mine.config == TORCH_CONFIG and mine.source.startswith("cpu tensors")
         assert "CUDA tensors only" in mine.source
     assert (TORCH_CONFIG.forward_backend, TORCH_CONFIG.backward_backend) == ("torch", "torch")
 
 
 def test_resolve_config_on_cuda(monkeypatch):
-    """CUDA tensors: the caller's config or the (arch, RoPE tail, heads bucket) row, with a
-    FlashMLA forward replaced by the one that runs where FlashMLA cannot."""
+    """CUDA tensors: the caller's config or the (arch, RoPE tail, heads bucket, top-k bucket)
+    row, with a FlashMLA forward replaced by the one that runs where FlashMLA cannot."""
     q, kv = fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576)
+    idx = fake_cuda(1, 1, 1, 2048, dtype=torch.int32)
     monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
     monkeypatch.setenv(ARCH_ENV, "sm_90")
-    found = resolve_config(q, kv)
-    assert found.key == (("arch_major", 9), ("rope_tail", True), ("heads", 16))
-    assert found.source.startswith("row (measured H200")
+    found = resolve_config(q, kv, idx)
+    assert found.key == (("arch_major", 9), ("rope_tail", True), ("heads", 16), ("topk", 2048))
+    # The row's FlashMLA forward is not importable here: the TileLang forward, and it says so.
+    assert found.source.startswith("row (FlashMLA forward measured fastest")
+    assert found.source.endswith("flash_mla not importable or not for this shape: tilelang forward")
     assert found.config.forward_backend == "tilelang"
-    assert resolve_config(q, kv, d_v=576).key[1] == ("rope_tail", False)
+    assert resolve_config(q, kv, idx, d_v=576).key[1] == ("rope_tail", False)
+    short = fake_cuda(1, 1, 1, 1024, dtype=torch.int32)
+    assert resolve_config(q, kv, short).key[3] == ("topk", 1024)
     mine = SparseAttentionConfig(split_store=4)
-    assert resolve_config(q, kv, config=mine).config == mine
-    assert resolve_config(q, kv, config=mine).source == "caller"
+    assert resolve_config(q, kv, idx, config=mine).config == mine
+    assert resolve_config(q, kv, idx, config=mine).source == "caller"
     # FlashMLA not importable: a Hopper caller's FlashMLA forward runs as TileLang ...
     asked = SparseAttentionConfig(forward_backend="flash_mla")
-    found = resolve_config(q, kv, config=asked)
+    found = resolve_config(q, kv, idx, config=asked)
     assert found.config == dataclasses.replace(asked, forward_backend="tilelang")
     assert "flash_mla not importable" in found.source
     # ... and Blackwell's FlashMLA row as the torch reference.
     monkeypatch.setenv(ARCH_ENV, "sm_100")
-    found = resolve_config(q, kv)
+    found = resolve_config(q, kv, idx)
     assert found.config.forward_backend == "torch" and "flash_mla" in found.source
     # Importable: kept where it supports the shape (one kv group, d_v 512), replaced elsewhere.
     monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: True)
-    assert resolve_config(q, kv).config.forward_backend == "flash_mla"
-    grouped = resolve_config(q, fake_cuda(1, 1, 2, 576))
+    assert resolve_config(q, kv, idx).config.forward_backend == "flash_mla"
+    grouped = resolve_config(q, fake_cuda(1, 1, 2, 576), fake_cuda(1, 1, 2, 64, dtype=torch.int32))
     assert grouped.config.forward_backend == "torch"
     # An arch without rows: the default, the torch reference.
     monkeypatch.setenv(ARCH_ENV, "sm_80")
-    assert resolve_config(q, kv).config == TORCH_CONFIG
-    assert resolve_config(q, kv).source == "default"
+    assert resolve_config(q, kv, idx).config == TORCH_CONFIG
+    assert resolve_config(q, kv, idx).source == "default"
+
+
+def test_torch_deterministic_mode_sets_the_config_field(monkeypatch):
+    """torch.use_deterministic_algorithms(True) turns on the deterministic backward for table
+    rows and callers' configs alike (CUDA tensors; CPU tensors are deterministic anyway)."""
+    q, kv = fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576)
+    idx = fake_cuda(1, 1, 1, 2048, dtype=torch.int32)
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+    assert not resolve_config(q, kv, idx).config.deterministic
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        row = resolve_config(q, kv, idx)
+        mine = resolve_config(q, kv, idx, config=SparseAttentionConfig(split_store=4))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert row.config.deterministic and "use_deterministic_algorithms" in row.source
+    assert mine.config == SparseAttentionConfig(split_store=4, deterministic=True)
 
 
 def test_every_table_row_passes_the_kernel_checks():
     """No Hopper row holds a tiling its kernels refuse, at every head count its key covers."""
     rows = [r for r in CONFIG_TABLE.rows() if dict(r.key)["arch_major"] == 9]
-    assert len(rows) == 8
+    assert len(rows) == 16
     for row in rows:
         key = dict(row.key)
         dim = 576 if key["rope_tail"] else 512
-        assert row.config.forward_backend == row.config.backward_backend == "tilelang"
+        assert row.config.forward_backend in ("tilelang", "flash_mla")
+        assert row.config.backward_backend == "tilelang" and not row.config.deterministic
+        # A FlashMLA row runs the TileLang forward where FlashMLA is not importable.
+        fallback = dataclasses.replace(row.config, forward_backend="tilelang")
         for heads in {key["heads"], key["heads"] // 2 + 1, 2 * key["heads"]}:
             _check_runnable(row.config, HOPPER, heads, 1, dim, 512)
+            _check_runnable(fallback, HOPPER, heads, 1, dim, 512)
+            # The deterministic mode's staging fits every row's tiling too.
+            deterministic = dataclasses.replace(row.config, deterministic=True)
+            _check_runnable(deterministic, HOPPER, heads, 1, dim, 512)
 
 
 def test_guard_refuses_what_the_kernels_cannot_run():
@@ -219,13 +251,15 @@ def test_ops_take_the_config_fields_in_declaration_order():
 def test_rocm_gets_the_torch_reference(monkeypatch):
     """No kernel here is built for ROCm: its devices resolve to the torch reference."""
     monkeypatch.setenv(ARCH_ENV, "gfx942")
-    found = resolve_config(fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576))
+    found = resolve_config(
+        fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576), fake_cuda(1, 1, 1, 64, dtype=torch.int32)
+    )
     assert found.config == TORCH_CONFIG and found.source.startswith("gfx942")
 
 
 def test_forward_op_returns_the_lse_in_log2_units():
     q, kv, idx, sink = make(h=4, g=2, d=40, sink=True)
-    fields = _fields(resolve_config(q, kv, d_v=32).config)
+    fields = _fields(resolve_config(q, kv, idx, d_v=32).config)
     out, lse2 = torch.ops.dsa_sparse_attention.forward(q, kv, idx, sink, 0.2, 32, *fields)
     o64, l64 = dense_attention(q.double(), kv.double(), idx, 0.2, 32, sink.double())
     assert_close(out, o64, max_rel_diff=2e-5, name="out")
@@ -237,7 +271,7 @@ def test_forward_op_returns_the_lse_in_log2_units():
 
 def test_opcheck():
     q, kv, idx, _ = make(h=4, g=2)
-    fields = _fields(resolve_config(q, kv, d_v=32).config)
+    fields = _fields(resolve_config(q, kv, idx, d_v=32).config)
     sink = torch.randn(4, generator=seeded_gen("opcheck sink"))
     for s in (sink, None):
         leaves = (q.clone().requires_grad_(), kv.clone().requires_grad_())
@@ -303,3 +337,36 @@ def test_gpu_public_op_against_the_reference(heads, dim, topk, sink):
     assert_close(lse, ref_lse, name="lse")
     for name, got, want in zip(("dq", "dkv", "dsink"), grads, ref, strict=False):
         assert_close(got, want, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["config", "torch_flag", "torch_backward"])
+def test_gpu_deterministic_mode_end_to_end(how):
+    """Through the public op, three forward+backward runs give the same bits for dq, dkv and
+    dsink: deterministic=True in the config (TileLang backward), the torch-wide switch with no
+    config (the table row gets deterministic=True), and the torch backward in that mode."""
+    gen = seeded_gen("deterministic public op", how)
+    s, s_kv, heads, topk = 256, 96, 8, 160  # 2 x 256 queries per key row: contended adds
+    q, kv, sink = attention_inputs(1, s, s_kv, heads, 1, 576, gen, sink=True, device="cuda")
+    idx = attention_indices(1, s, 1, topk, s_kv, "duplicates", gen, device="cuda")
+    dout = torch.randn(1, s, heads, 512, generator=gen).bfloat16().cuda()
+    row = resolve_config(q, kv, idx).config
+    config = {
+        "config": dataclasses.replace(row, deterministic=True),
+        "torch_flag": None,
+        "torch_backward": dataclasses.replace(row, backward_backend="torch", deterministic=True),
+    }[how]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(how == "torch_flag" or was)
+    try:
+        assert resolve_config(q, kv, idx, config=config).config.deterministic
+        runs = []
+        for _ in range(3):
+            leaves = [x.clone().requires_grad_() for x in (q, kv, sink)]
+            out = sparse_attention(leaves[0], leaves[1], idx, attn_sink=leaves[2], config=config)
+            runs.append(torch.autograd.grad(out, leaves, dout))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dkv", "dsink"), runs[0], run, strict=True):
+            assert torch.equal(a, b), f"{name} differs bitwise between runs"

@@ -38,13 +38,15 @@ D_V = 512
 
 def _row_tiling(heads: int, dim: int) -> dict:
     """The backward tiling of the Hopper table row for (heads bucket, RoPE tail present), as
-    ``sparse_attention`` picks it (keyed by all of ``q``'s heads, whatever the kv groups)."""
-    cfg = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > D_V, heads=heads).config
+    ``sparse_attention`` picks it (keyed by all of ``q``'s heads, whatever the kv groups; the
+    backward rows do not depend on the top-k class), in the default (non-deterministic) mode."""
+    cfg = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > D_V, heads=heads, topk=2048).config
     return dict(
         block_i=cfg.backward_block_i,
         num_stages=cfg.backward_stages,
         split_store=cfg.split_store,
         dkv_reduce=cfg.dkv_reduce,
+        deterministic=cfg.deterministic,
     )
 
 
@@ -75,6 +77,8 @@ FAST_VARIANTS = [
     dict(heads=32, dim=576),
     dict(heads=64, dim=576),
     dict(heads=128, dim=512),
+    dict(heads=8, dim=576, deterministic=True),
+    dict(heads=64, dim=576, deterministic=True),
 ]
 TABLE_VARIANTS = [
     dict(heads=h, dim=d) for h in (8, 16, 32, 64, 128) for d in (512, 576)
@@ -90,6 +94,11 @@ SLOW_VARIANTS = [v for v in TABLE_VARIANTS if v not in FAST_VARIANTS] + [
     dict(heads=128, dim=576, groups=2),
     dict(heads=96, dim=576),
     dict(heads=4, dim=576, groups=2),
+    *(dict(heads=h, dim=d, deterministic=True) for h in (16, 32, 128) for d in (512, 576)),
+    dict(heads=8, dim=512, deterministic=True),
+    dict(heads=64, dim=512, deterministic=True),
+    dict(heads=8, dim=576, dkv_reduce="atomic", deterministic=True),
+    dict(heads=64, dim=512, dkv_reduce="tma", split_store=4, deterministic=True),
 ]
 
 
@@ -108,12 +117,21 @@ def _check_source(kernels, spec):
         assert "wgmma" in src
     else:
         assert "tl::mma_sync" in src
+    # Deterministic mode adds 64-bit fixed point (integer adds commute bitwise), never fp32.
+    # The prelude defines every helper once: uses are the count past that definition.
+    uses = lambda name: src.count(name + "(") - 1
+    det = tiling["deterministic"]
+    u64, f32 = "dsa_bulk_reduce_add_u64", "dsa_bulk_reduce_add_f32"
+    bulk, other = (u64, f32) if det else (f32, u64)
     if tiling["dkv_reduce"] == "tma":
-        assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in src
-        assert src.count("dsa_bulk_reduce_add_f32(") >= 2  # the definition and a use per slice
+        assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add" in src
+        assert uses(bulk) >= 1 and uses(other) == 0
         assert "dsa_fence_proxy_async_shared();" in src  # staging stores -> TMA reads
         assert "tl::tma_store_wait<0, false>" in src  # the final drain before exit
-        assert "AtomicAdd" not in src
+        assert "AtomicAdd" not in src and uses("dsa_red_add_fixed") == 0
+        assert (uses("__float2ll_rn") >= 1) == det  # the staging converts in det mode
+    elif det:
+        assert uses("dsa_red_add_fixed") >= 1 and "AtomicAdd" not in src
     else:
         assert "AtomicAddx2" in src or "AtomicAddx4" in src
     assert f"__launch_bounds__({bw.program_threads(hg)}" in src
@@ -163,11 +181,13 @@ def test_table_tilings_fit_every_head_count_of_their_bucket(dim):
         (dict(split_store=3), r"SparseAttentionConfig\.split_store"),
         (dict(dkv_reduce="bf16"), r"SparseAttentionConfig\.dkv_reduce"),
         (dict(num_stages=3), "shared memory"),
+        # The int64 staging of deterministic mode is twice the fp32 one.
+        (dict(deterministic=True), r"deterministic = True need \d+ bytes of shared memory"),
     ],
 )
 def test_rejects_unsupported_configs(kwargs, match):
     shape = dict(heads=64, groups=1, dim=576, d_v=D_V)
-    tiling = dict(block_i=32, num_stages=1, split_store=2, dkv_reduce="tma")
+    tiling = dict(block_i=32, num_stages=1, split_store=2, dkv_reduce="tma", deterministic=False)
     shape, tiling = (
         shape | {k: v for k, v in kwargs.items() if k in shape},
         tiling | {k: v for k, v in kwargs.items() if k in tiling},
@@ -244,12 +264,17 @@ MATRIX = (
         (64, 1, 512, 640, dict(num_stages=2, split_store=4)),
     ]
 )
+# Deterministic mode at every table row's tiling (and two head blocks), with many queries per
+# key so that concurrent adds to one key row are the rule: 2 x 256 queries over 96 keys.
+DETERMINISTIC = [
+    (h, 1, d, 160, dict(deterministic=True)) for h in (8, 16, 32, 64, 128) for d in (512, 576)
+]
 # support.attention_indices patterns: padding of every kind, with and without duplicates.
 PADDINGS = ("mixed", "tail", "shuffled", "empty_rows", "out_of_range", "duplicates")
 
 
 def _all_specs():
-    specs = [(h, g, d, k, t) for h, g, d, k, t in MATRIX]
+    specs = [(h, g, d, k, t) for h, g, d, k, t in MATRIX + DETERMINISTIC]
     specs += [(h, 1, d, k, t) for h, d, k, t in _block_count_cases()]
     return specs
 
@@ -384,23 +409,72 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch):
         _run_and_compare(q, kv, dout, idx, sink, dlse)
 
 
+def _kernel_args(q, kv, dout, idx, sink, dlse):
+    """The backward wrapper's positional arguments, with out / lse of the reference forward."""
+    sm_scale = reference.default_sm_scale(q.shape[-1])
+    out, lse = reference.sparse_attention_forward_reference(
+        q, kv, as_padding(idx, kv.shape[1]), sm_scale, D_V, sink
+    )
+    dlse2 = dlse * LN2 if dlse is not None else None
+    return (dout, dlse2, q, kv, idx, out, lse / LN2, sink, sm_scale, D_V)
+
+
+def _assert_bitwise(runs):
+    for i, run in enumerate(runs[1:], 1):
+        for name, a, b in zip(("dq", "dkv", "dsink"), runs[0], run, strict=True):
+            assert torch.equal(a, b), f"{name} of run {i} differs bitwise from run 0"
+
+
 @pytest.mark.gpu
-def test_backward_cuda_graph_capture(compiled):
-    """No host synchronisation: the whole backward can be captured and replayed."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_cuda_graph_capture(compiled, deterministic):
+    """No host synchronisation: the whole backward can be captured and replayed (in
+    deterministic mode, bit for bit the eager result, at every replay)."""
     q, kv, dout, idx, sink, dlse = _case(
         2, 64, 128, 16, 1, 576, 640, sink=True, dlse=True, padding="mixed", seed=11
     )
-    sm_scale = reference.default_sm_scale(576)
-    out, lse = reference.sparse_attention_forward_reference(
-        q, kv, as_padding(idx, 128), sm_scale, D_V, sink
-    )
-    args = (dout, dlse * LN2, q, kv, idx, out, lse / LN2, sink, sm_scale, D_V)
-    tiling = _row_tiling(16, 576)
+    args = _kernel_args(q, kv, dout, idx, sink, dlse)
+    tiling = _row_tiling(16, 576) | dict(deterministic=deterministic)
     expected = bw.sparse_attention_backward_tilelang(*args, **tiling)  # warm-up, uncaptured
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = bw.sparse_attention_backward_tilelang(*args, **tiling)
-    graph.replay()
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append([t.clone() for t in captured])
     torch.cuda.synchronize()
     for name, got, want in zip(("dq", "dkv", "dsink"), captured, expected, strict=True):
         assert_close(got, want, name=name)
+    if deterministic:
+        _assert_bitwise([expected, *replays])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(DETERMINISTIC)))
+def test_deterministic_backward_is_bitwise_repeatable(compiled, case):
+    """Every table row's tiling in deterministic mode: matches the reference like the default
+    mode, and three runs give the same bits for dq, dkv and dsink."""
+    heads, groups, dim, topk, tiling = DETERMINISTIC[case]
+    q, kv, dout, idx, sink, dlse = _case(
+        2, 256, 96, heads, groups, dim, topk, sink=True, dlse=True, padding="duplicates",
+        seed=200 + case,
+    )  # fmt: skip
+    _run_and_compare(q, kv, dout, idx, sink, dlse, tiling=tiling)
+    args = _kernel_args(q, kv, dout, idx, sink, dlse)
+    full = _row_tiling(heads, dim) | tiling
+    _assert_bitwise([bw.sparse_attention_backward_tilelang(*args, **full) for _ in range(3)])
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_poisons_dkv_for_non_finite_gradients(compiled):
+    """A non-finite upstream gradient leaves no finite scale for the fixed point: dkv is NaN
+    everywhere instead of silently wrapped integers."""
+    heads, dim, topk, tiling = DETERMINISTIC[0][0], DETERMINISTIC[0][2], *DETERMINISTIC[0][3:]
+    q, kv, dout, idx, sink, dlse = _case(
+        1, 64, 96, heads, 1, dim, topk, sink=False, dlse=False, padding="duplicates", seed=9
+    )
+    dout[0, 3, 0, 5] = float("inf")
+    args = _kernel_args(q, kv, dout, idx, sink, dlse)
+    _, dkv, _ = bw.sparse_attention_backward_tilelang(*args, **_row_tiling(heads, dim) | tiling)
+    assert bool(torch.isnan(dkv).all())

@@ -21,7 +21,13 @@ import torch
 if sys.platform != "linux":
     pytest.skip("tilelang is a Linux-only dependency", allow_module_level=True)
 
-from dsa_sparse_attention import AttentionShape, SparseAttentionConfig, precompile, reference
+from dsa_sparse_attention import (
+    AttentionShape,
+    SparseAttentionConfig,
+    _flash_mla,
+    precompile,
+    reference,
+)
 from dsa_sparse_attention._tilelang import backward as bw
 from dsa_sparse_attention._tilelang import forward as fwd
 from dsa_sparse_attention.config import CONFIG_TABLE
@@ -139,20 +145,26 @@ def test_compiles_block_counts(dim, tiling, tmp_path):
         _check_compiled(_compile(variant, *tiling), variant, tmp_path)
 
 
-def test_precompile_builds_the_table_kernels():
+def test_precompile_builds_the_table_kernels(monkeypatch):
     """precompile builds what a call of the shape runs: the forward and the backward of the
     table row (here the kernels of the first fast variant and of the backward compile test of
-    the same row, so nothing new is compiled when those ran first), identical shapes once."""
+    the same row, so nothing new is compiled when those ran first), identical shapes once.
+    The row's forward is FlashMLA: where it is not importable the TileLang forward runs, and is
+    built; where it is, only the backward."""
     shape = AttentionShape(heads=64, d_qk=576, d_v=512, topk=2048)
+    monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: True)
+    assert precompile([shape, shape], arch="sm_90") == 1
+    monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
     assert precompile([shape, shape], arch="sm_90") == 2
-    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=True, heads=64).config
+    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=True, heads=64, topk=2048).config
     built = (fwd.compile_forward.cache_info(), bw._compile_main.cache_info())
     fwd.compile_forward(
         64, 1, 576, 512, 2048, False, row.forward_block_i, row.forward_stages, SM90A
     )
     bw.compile_backward(
         64, 1, 576, 512, 2048, block_i=row.backward_block_i, num_stages=row.backward_stages,
-        split_store=row.split_store, dkv_reduce=row.dkv_reduce, target=SM90A,
+        split_store=row.split_store, dkv_reduce=row.dkv_reduce, deterministic=False,
+        target=SM90A,
     )  # fmt: skip
     # Both were already in the process's cache: precompile built exactly these.
     assert fwd.compile_forward.cache_info().misses == built[0].misses
@@ -357,7 +369,7 @@ def test_wrapper_matches_reference_and_captures(with_sink, warm_kernels):
     and replay."""
     gen = seeded_gen("wrapper", with_sink)
     heads, dim, topk = (64, 512, 640) if with_sink else (64, 576, 2048)
-    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > 512, heads=heads).config
+    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > 512, heads=heads, topk=topk).config
     tiling = dict(block_i=row.forward_block_i, num_stages=row.forward_stages)
     q, kv, sink = attention_inputs(1, 48, 700, heads, 1, dim, gen, sink=with_sink, device="cuda")
     idx = attention_indices(1, 48, 1, topk, 700, "shuffled", gen, device="cuda")

@@ -25,6 +25,10 @@ Precision, up to ``--check-max-tokens`` (columns ``rd_out``, ``rd_dq``, ``rd_dkv
 inputs, where more than one runs (each row against the first other backend of ``--backends``;
 also up to ``--check-max-tokens``, and with ``--forward-only``).
 
+``--deterministic`` adds, beside each run, the same config with ``deterministic=True`` (the
+``mode`` column), and for every row the ``bitwise`` column: whether two more forward+backward
+calls gave bit-identical dq, dkv and dsink.
+
 Without a GPU (or with ``--cpu``) it runs a small default on the torch backend, 256 tokens at
 the TP 8 head count, and says so; ``--full`` (every length up to 128k) is refused there unless
 ``--tokens`` names the lengths.
@@ -69,6 +73,7 @@ COLUMNS = [
     "heads",
     "tokens",
     "backend",
+    "mode",
     "config",
     "fwd_ms",
     "fwd_bwd_ms",
@@ -80,13 +85,16 @@ COLUMNS = [
     "rd_dkv",
     "rd_dsink",
     "rd_vs_other_fwd",
+    "bitwise",
 ]
-PROGRESS = ["model", "tp", "heads", "tokens", "backend", "fwd_ms", "fwd_bwd_ms"]
+PROGRESS = ["model", "tp", "heads", "tokens", "backend", "mode", "fwd_ms", "fwd_bwd_ms"]
 
 
 @dataclasses.dataclass
 class Plan:
-    """One (model, TP size): the table's lookup and the (backend, config) pairs that run."""
+    """One (model, TP size): the table's lookup and the (forward backend, config) pairs that
+    run (a backend twice with ``--deterministic``: the config as looked up, then
+    deterministic)."""
 
     model: ModelShape
     tp: int
@@ -97,11 +105,13 @@ class Plan:
     def heads(self) -> int:
         return self.model.local_heads(self.tp)
 
-    def describe(self, backend: str) -> str:
-        """The ``config`` column: the lookup's description, and the forward swapped in."""
+    def describe(self, config: SparseAttentionConfig) -> str:
+        """The ``config`` column: the lookup's description, and what the run changed."""
         text = self.lookup.describe()
-        if backend != self.lookup.config.forward_backend:
-            text += f"; forward_backend={backend}"
+        if config.forward_backend != self.lookup.config.forward_backend:
+            text += f"; forward_backend={config.forward_backend}"
+        if config.deterministic != self.lookup.config.deterministic:
+            text += f"; deterministic={config.deterministic}"
         return text
 
 
@@ -134,22 +144,28 @@ def bf16_peak_tflops(device: torch.device) -> float | None:
     return 2 * 8192**3 / ms / 1e9
 
 
-def plan_case(model: ModelShape, tp: int, backends: list[str], device) -> Plan:
+def plan_case(
+    model: ModelShape, tp: int, backends: list[str], device, deterministic: bool = False
+) -> Plan:
     """The forward backends of ``backends`` that really run for this shape (no silent
     fallbacks: a backend is skipped, with a note, when ``resolve_config`` with it swapped into
-    the table's config reports another forward backend)."""
+    the table's config reports another forward backend); each also in deterministic mode with
+    ``deterministic``."""
     heads = model.local_heads(tp)
-    # resolve_config reads only the device, the head count, the kv groups and the width, so
-    # one-row tensors stand for the benchmark inputs of any length.
+    # resolve_config reads only the device, the head count, the kv groups, the width and the
+    # index count, so one-row tensors stand for the benchmark inputs of any length.
     q = torch.empty(1, 1, heads, model.d_qk, device=device, dtype=torch.bfloat16)
     kv = torch.empty(1, 1, 1, model.d_qk, device=device, dtype=torch.bfloat16)
-    lookup = resolve_config(q, kv, d_v=model.d_v)
+    idx = torch.empty(1, 1, 1, model.topk, device=device, dtype=torch.int32)
+    lookup = resolve_config(q, kv, idx, d_v=model.d_v)
     runs = []
     for backend in backends:
         config = dataclasses.replace(lookup.config, forward_backend=backend)
-        really = resolve_config(q, kv, d_v=model.d_v, config=config)
+        really = resolve_config(q, kv, idx, d_v=model.d_v, config=config)
         if really.config.forward_backend == backend:
             runs.append((backend, config))
+            if deterministic and not config.deterministic:
+                runs.append((backend, dataclasses.replace(config, deterministic=True)))
         else:
             print(
                 f"skip: model={model.name} tp={tp} heads={heads} backend={backend}: "
@@ -203,7 +219,7 @@ def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
     compare = tokens <= args.check_max_tokens  # rd_vs_other_fwd (forwards only)
     check = compare and not args.forward_only  # rd_out, rd_dq, rd_dkv, rd_dsink
     expected = None  # the precision reference, computed once for every backend
-    rows, outputs = [], []
+    rows, outputs = [], {}  # outputs: the first forward output of each backend
     for backend, config in plan.runs:
 
         def forward(config=config):
@@ -237,7 +253,8 @@ def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
             "heads": heads,
             "tokens": tokens,
             "backend": backend,
-            "config": plan.describe(backend),
+            "mode": "deterministic" if config.deterministic else "default",
+            "config": plan.describe(config),
             "fwd_ms": fwd_ms,
             "fwd_bwd_ms": fb_ms,
             "fwd_tflops": f_fwd / fwd_ms / 1e9,
@@ -248,13 +265,19 @@ def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
             if expected is None:
                 expected = reference_results(q, kv, idx, sink, do, scale, model.d_v, device)
             row.update(precision(forward_backward(), expected))
+        if args.deterministic and not args.forward_only:
+            first, second = forward_backward()[1], forward_backward()[1]
+            row["bitwise"] = all(
+                torch.equal(a, b) for a, b in zip(first, second, strict=True) if a is not None
+            )
         rows.append(row)
         if compare:
-            outputs.append(out)
+            outputs.setdefault(backend, out)
         print("done:", common.named(row, PROGRESS), flush=True)
     if len(outputs) > 1:
-        for i, row in enumerate(rows):
-            row["rd_vs_other_fwd"] = rel_diff(outputs[i], outputs[1 if i == 0 else 0])
+        for row in rows:
+            other = next(o for b, o in outputs.items() if b != row["backend"])
+            row["rd_vs_other_fwd"] = rel_diff(outputs[row["backend"]], other)
     return rows
 
 
@@ -285,7 +308,11 @@ def precision(got, expected) -> dict:
 def plot(rows: list[dict], path: Path) -> Path:
     return common.bar_plot(
         path,
-        [f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}" for r in rows],
+        [
+            f"{r['model']}\nTP{r['tp']} {r['tokens']}\n{r['backend']}"
+            + ("\ndeterministic" if r["mode"] == "deterministic" else "")
+            for r in rows
+        ],
         [
             ("forward", [r["fwd_ms"] for r in rows]),
             ("forward+backward", [r.get("fwd_bwd_ms") for r in rows]),
@@ -380,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     p.add_argument("--forward-only", action="store_true", help="time the forward alone")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run each config in deterministic mode, and check bitwise repeatability",
+    )
     return p
 
 
@@ -431,7 +463,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     plans = [
-        plan_case(model, tp, backends, device)
+        plan_case(model, tp, backends, device, args.deterministic)
         for model in args.models
         for tp in args.tp or (model.tp_sizes if on_gpu else CPU_TP)
     ]

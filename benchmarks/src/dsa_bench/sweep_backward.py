@@ -1,6 +1,7 @@
 """Sweep of the TileLang sparse-attention backward tilings on one GPU (rows for CONFIG_TABLE).
 
     python -m dsa_bench.sweep_backward [--tokens 16384] [--out DIR] [--quick] [--shapes glm5:8]
+        [--deterministic]
 
 For each model shape and TP-local head count, every candidate tiling (``block_i`` x
 ``num_stages`` x ``split_store`` x ``dkv_reduce``) that the backward kernels accept for the
@@ -11,8 +12,9 @@ lse. The table row of ``dsa_sparse_attention.config.CONFIG_TABLE`` for the shape
 default, timed first; dq / dkv of every candidate are compared with the default's (rel_diff;
 the reference check itself is in the gpu tests, at small sizes). Threads per program follow
 from the head count (``program_threads``; the ``threads`` column). Prints one table and the
-best candidate per shape; writes ``sparse_backward_sweep.csv`` under ``--out`` (default
-``benchmarks/results``).
+best candidate per shape; writes ``sparse_backward_sweep.csv`` (``--deterministic``: every
+candidate in deterministic mode, ``sparse_backward_sweep_deterministic.csv``) under ``--out``
+(default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dsa_bench.sparse_attention import benchmark_indices
 
 # (model, TP) pairs: every TP-local head count of the table's Hopper rows, both widths.
 SHAPES = [("glm5", 1), ("glm5", 2), ("glm5", 4), ("glm5", 8), ("dsv4.1-flash-r1", 1)]
-TILING = ("block_i", "num_stages", "split_store", "dkv_reduce")
+TILING = ("block_i", "num_stages", "split_store", "dkv_reduce", "deterministic")
 COLUMNS = [
     "model",
     "tp",
@@ -57,11 +59,12 @@ def table_row(model: ModelShape, tp: int) -> SparseAttentionConfig:
         arch_major=device_arch().major,
         rope_tail=model.d_qk > model.d_v,
         heads=model.local_heads(tp),
+        topk=model.topk,
     ).config
 
 
-def candidates(model: ModelShape, tp: int, quick: bool) -> list[dict]:
-    """Tilings the backward accepts for this shape: the table row's first."""
+def candidates(model: ModelShape, tp: int, quick: bool, deterministic: bool) -> list[dict]:
+    """Tilings the backward accepts for this shape in the given mode: the table row's first."""
     hg, dim, d_v = model.local_heads(tp), model.d_qk, model.d_v
     row = table_row(model, tp)
     default = dict(
@@ -69,9 +72,10 @@ def candidates(model: ModelShape, tp: int, quick: bool) -> list[dict]:
         num_stages=row.backward_stages,
         split_store=row.split_store,
         dkv_reduce=row.dkv_reduce,
+        deterministic=deterministic,
     )
     stages = (1, 2) if quick else (1, 2, 3)
-    grid = itertools.product((16, 32, 64), stages, (2, 4), ("tma", "atomic"))
+    grid = itertools.product((16, 32, 64), stages, (2, 4), ("tma", "atomic"), (deterministic,))
     out = [default]
     for values in grid:
         spec = dict(zip(TILING, values, strict=True))
@@ -108,7 +112,7 @@ def time_shape(model: ModelShape, tp: int, args, failed: dict, device) -> list[d
         num_stages=row_cfg.forward_stages,
     )
     rows, base = [], None
-    for i, spec in enumerate(candidates(model, tp, args.quick)):
+    for i, spec in enumerate(candidates(model, tp, args.quick, args.deterministic)):
         row = dict(model=model.name, tp=tp, heads=heads, tokens=s, **spec)
         row["threads"] = bw.program_threads(heads)
         key = (model.name, tp, repr(spec))
@@ -170,6 +174,9 @@ def main(argv=None) -> None:
         help="model:tp pairs, e.g. glm5:1,glm5:8 (default: all)",
     )
     parser.add_argument("--rep", type=common.positive_int, default=5)
+    parser.add_argument(
+        "--deterministic", action="store_true", help="sweep the deterministic mode's tilings"
+    )
     args = parser.parse_args(argv)
     common.require_cuda("dsa_bench.sweep_backward")
     shapes = args.shapes or SHAPES
@@ -177,7 +184,7 @@ def main(argv=None) -> None:
     target = tilelang_target(device_arch(device))["arch"]
     jobs = []
     for name, tp in shapes:
-        for spec in candidates(MODELS[name], tp, args.quick):
+        for spec in candidates(MODELS[name], tp, args.quick, args.deterministic):
             jobs.append((name, tp, spec))
     # Compile everything first: nvcc runs as a subprocess, so threads overlap the compiles.
     with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
@@ -207,7 +214,8 @@ def main(argv=None) -> None:
         rows += time_shape(MODELS[name], tp, args, failed, device)
         torch.cuda.empty_cache()
 
-    path = common.write_csv(rows, args.out / "sparse_backward_sweep.csv", COLUMNS)
+    stem = "sparse_backward_sweep" + ("_deterministic" if args.deterministic else "")
+    path = common.write_csv(rows, args.out / f"{stem}.csv", COLUMNS)
     print(f"\nwrote {path}")
     common.print_table(rows, COLUMNS)
     print("\nbest per shape (backward ms):")

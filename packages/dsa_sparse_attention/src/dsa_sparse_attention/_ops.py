@@ -14,6 +14,7 @@ entry converts it to the natural log the API returns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -36,14 +37,22 @@ _OP = "sparse_attention"
 
 
 def _table_lookup(
-    arch: Arch, heads: int, groups: int, dim: int, d_v: int, config: SparseAttentionConfig | None
+    arch: Arch,
+    heads: int,
+    groups: int,
+    dim: int,
+    d_v: int,
+    topk: int,
+    config: SparseAttentionConfig | None,
 ) -> Lookup[SparseAttentionConfig]:
     """The config for these static shapes on a GPU ``arch``: the caller's or the table row, with
     a FlashMLA forward replaced by the one that runs where FlashMLA cannot. ROCm devices get
     the torch reference unless the caller asks for more (no kernel here is built for them)."""
     if arch.vendor != "cuda" and config is None:
         return Lookup(TORCH_CONFIG, f"{arch.sm}: the torch reference", ())
-    found = CONFIG_TABLE.lookup(config, arch_major=arch.major, rope_tail=dim > d_v, heads=heads)
+    found = CONFIG_TABLE.lookup(
+        config, arch_major=arch.major, rope_tail=dim > d_v, heads=heads, topk=topk
+    )
     cfg = found.config
     if cfg.forward_backend == "flash_mla" and not (
         _flash_mla.flash_mla_importable()
@@ -61,6 +70,7 @@ def _table_lookup(
 def resolve_config(
     q: torch.Tensor,
     kv: torch.Tensor,
+    indices: torch.Tensor,
     *,
     d_v: int | None = None,
     config: SparseAttentionConfig | None = None,
@@ -69,9 +79,11 @@ def resolve_config(
 
     ``.config`` is what really runs: CPU tensors run the torch reference whatever ``config``
     says; on a CUDA device it is ``config`` if given, else the measured table row for (arch
-    major, RoPE tail present, TP-local heads bucket), else the torch reference for an arch
-    without rows; a FlashMLA forward that cannot run here is replaced by the one that does.
-    ``.source`` says which of these applied and ``.describe()`` prints it with the table key.
+    major, RoPE tail present, TP-local heads bucket, top-k bucket of ``indices.shape[-1]``),
+    else the torch reference for an arch without rows; a FlashMLA forward that cannot run here
+    is replaced by the one that does. Under ``torch.use_deterministic_algorithms(True)`` the
+    config's ``deterministic`` is set. ``.source`` says which of these applied and
+    ``.describe()`` prints it with the table key.
     """
     if config is not None and not isinstance(config, SparseAttentionConfig):
         raise TypeError(
@@ -84,7 +96,16 @@ def resolve_config(
         if config is not None:
             source += " (the caller's config applies to CUDA tensors only)"
         return Lookup(TORCH_CONFIG, source, ())
-    return _table_lookup(device_arch(q.device), q.shape[2], kv.shape[2], dim, d_v, config)
+    found = _table_lookup(
+        device_arch(q.device), q.shape[2], kv.shape[2], dim, d_v, indices.shape[-1], config
+    )
+    if torch.are_deterministic_algorithms_enabled() and not found.config.deterministic:
+        return Lookup(
+            dataclasses.replace(found.config, deterministic=True),
+            f"{found.source}; deterministic (torch.use_deterministic_algorithms)",
+            found.key,
+        )
+    return found
 
 
 def _check_runnable(
@@ -115,6 +136,7 @@ def _check_runnable(
                 cfg.backward_stages,
                 cfg.split_store,
                 cfg.dkv_reduce,
+                cfg.deterministic,
             )
 
 
@@ -171,6 +193,20 @@ def _(q, kv, indices, attn_sink, sm_scale, d_v, *config):
     return q.new_empty((b, s, h, d_v)), q.new_empty((b, s, h), dtype=torch.float32)
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool):
+    """``torch.use_deterministic_algorithms(True)`` for the block when ``on`` (restored after)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if on and not was:
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        if on and not was:
+            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def _backward_impl(
     dout: torch.Tensor,
     dlse2: torch.Tensor | None,
@@ -204,20 +240,23 @@ def _backward_impl(
             num_stages=cfg.backward_stages,
             split_store=cfg.split_store,
             dkv_reduce=cfg.dkv_reduce,
+            deterministic=cfg.deterministic,
         )
     else:
-        # The reference works in natural-log units: d lse2 / d lse = log2(e).
-        dq, dkv, dsink = reference.sparse_attention_backward_reference(
-            dout,
-            dlse2 * LOG2E if dlse2 is not None else None,
-            q,
-            kv,
-            indices,
-            lse2 * LN2,
-            sm_scale,
-            d_v,
-            attn_sink,
-        )
+        # The reference works in natural-log units: d lse2 / d lse = log2(e). Its dkv is a
+        # scatter_add_, which torch makes reproducible on CUDA only in deterministic mode.
+        with _deterministic_algorithms(cfg.deterministic):
+            dq, dkv, dsink = reference.sparse_attention_backward_reference(
+                dout,
+                dlse2 * LOG2E if dlse2 is not None else None,
+                q,
+                kv,
+                indices,
+                lse2 * LN2,
+                sm_scale,
+                d_v,
+                attn_sink,
+            )
     return dq, dkv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
@@ -346,7 +385,7 @@ def sparse_attention(
             layout=f"[H={h}]",
             device=q.device,
         )
-    cfg = resolve_config(q, kv, d_v=d_v, config=config).config
+    cfg = resolve_config(q, kv, indices, d_v=d_v, config=config).config
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)
     out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *config_fields(cfg))

@@ -1,4 +1,5 @@
-"""SparseAttentionConfig and the measured table keyed by (arch, RoPE tail, TP-local heads)."""
+"""SparseAttentionConfig and the measured table keyed by (arch, RoPE tail, TP-local heads,
+top-k bucket)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ class SparseAttentionConfig:
     The defaults are the library's own TileLang kernels with a tiling that every head count and
     width fits on Hopper, so ``SparseAttentionConfig(backward_block_i=64)`` changes one field and
     nothing else; to change one field of the measured row instead, use
-    ``dataclasses.replace(resolve_config(q, kv).config, ...)``. CPU tensors always run the torch
-    reference, whatever the config says. A config the kernels cannot run for the given shapes is
-    refused with a ``ValueError`` naming the field, before anything is compiled or launched.
+    ``dataclasses.replace(resolve_config(q, kv, indices).config, ...)``. CPU tensors always run
+    the torch reference, whatever the config says. A config the kernels cannot run for the given
+    shapes is refused with a ``ValueError`` naming the field, before anything is compiled or
+    launched.
 
     Attributes:
         forward_backend: ``"tilelang"`` (Hopper), ``"flash_mla"`` (FlashMLA's sparse prefill,
@@ -41,7 +43,13 @@ class SparseAttentionConfig:
         backward_stages: slots of the backward's K/V ring (>= 1).
         split_store: slices of d_v in which the backward forms and writes the key gradient.
         dkv_reduce: how the backward adds dKV rows: ``"tma"`` bulk reduce-adds staged in shared
-            memory, or ``"atomic"`` fp32 atomics straight from registers.
+            memory, or ``"atomic"`` atomics straight from registers.
+        deterministic: make the backward bitwise reproducible: dq, dkv and dsink are the same
+            bits on every run and CUDA-graph replay for the same inputs (the TileLang backward
+            adds dkv in 64-bit fixed point instead of fp32; the torch backward runs under
+            ``torch.use_deterministic_algorithms``). The forward is deterministic either way.
+            The table rows say False; ``torch.use_deterministic_algorithms(True)`` turns it on
+            for every call (:func:`resolve_config`).
     """
 
     forward_backend: str = "tilelang"
@@ -52,6 +60,7 @@ class SparseAttentionConfig:
     backward_stages: int = 1
     split_store: int = 2
     dkv_reduce: str = "tma"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -64,6 +73,10 @@ class SparseAttentionConfig:
                     f"SparseAttentionConfig.{name} must be one of {allowed}, "
                     f"got {getattr(self, name)!r}"
                 )
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(
+                f"SparseAttentionConfig.deterministic must be a bool, got {self.deterministic!r}"
+            )
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -74,7 +87,7 @@ class SparseAttentionConfig:
 
 TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="torch")
 
-# Hopper: the TileLang kernels. Backward tiling from dsa_bench.sweep_backward on the H200 (16k
+# Hopper backward: the TileLang kernel. Tiling from dsa_bench.sweep_backward on the H200 (16k
 # tokens, the benchmark's causal indices; benchmarks/results/sparse_backward_sweep.csv): from 32
 # heads up the program is alone on its SM, and fp32 atomics straight from registers beat the
 # staged bulk reduce-adds (60.6 vs 67.1 ms at 64 heads, 48.1 vs 58.8 at 32); at 8 and 16 heads
@@ -82,21 +95,60 @@ TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="
 # 64-key blocks (M = 64 key-gradient MMAs, half the block iterations; shared memory fits only
 # without the bulk-reduce staging buffer) take the backward from 60.4 to 47.5 ms
 # (results/tuning_topk_and_attn64.log). The 512-wide 64-head row keeps 32-key blocks: 64-key
-# blocks were checked there against the reference but not timed. The forward keeps its default
-# tiling at every head count.
+# blocks were checked there against the reference but not timed. The TileLang forward keeps its
+# default tiling at every head count.
 _HOPPER_SMALL = SparseAttentionConfig()
 _HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
 _HOPPER_32 = dataclasses.replace(_HOPPER_64, split_store=4)
 _HOPPER_64_TAIL = dataclasses.replace(_HOPPER_64, backward_block_i=64)
-_MEASURED = "measured H200 (backward sweep and dsa-bench, 16k tokens)"
+_MEASURED = "backward measured H200 (sweep and dsa-bench, 16k tokens)"
+
+# Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built on the
+# H200 (results/sparse_attention_forward_backends.csv: every model and TP size at 4k and 16k,
+# 64k at 8 and 64 heads). Long index lists (glm5 2048, glm5.3 2112): FlashMLA at every head
+# count (TileLang takes 1.42-1.69x its time at 4k, 1.10-1.16x at 16k, 1.04-1.12x at 64k),
+# except glm5.3-flash-notail at 8 heads 64k (TileLang 3% faster). Short ones (dsv4.1, 640):
+# TileLang at 8 and 32 heads (FlashMLA takes 1.07-1.24x its time at every length); at 64 heads
+# FlashMLA wins 16k and 64k by 3-5% and loses 4k by 6%: the longer lengths decide. Where
+# FlashMLA is not importable the forward is TileLang (resolve_config says so).
+_FORWARD = {
+    # (tail, topk bucket, heads bucket): (forward backend, how it was chosen)
+    (True, 2048, 8): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
+    (True, 2048, 16): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k"),
+    (True, 2048, 32): ("flash_mla", "FlashMLA forward: no 32-head model, as the 16 / 64 rows"),
+    (True, 2048, 64): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
+    (False, 2048, 8): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k, not 64k"),
+    (False, 2048, 16): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k"),
+    (False, 2048, 32): ("flash_mla", "FlashMLA forward: no 32-head model, as the 16 / 64 rows"),
+    (False, 2048, 64): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
+    (False, 1024, 8): ("tilelang", "TileLang forward measured fastest at 4k / 16k / 64k"),
+    (False, 1024, 16): ("tilelang", "TileLang forward: no 16-head model, as the 8 / 32 rows"),
+    (False, 1024, 32): ("tilelang", "TileLang forward measured fastest at 4k / 16k"),
+    (False, 1024, 64): ("flash_mla", "FlashMLA forward measured fastest at 16k / 64k, not 4k"),
+    **{
+        (True, 1024, h): ("tilelang", "forward unmeasured: no model has a tail and topk <= 1024")
+        for h in (8, 16, 32, 64)
+    },
+}
 
 
-def _hopper(tail: bool, heads: int) -> tuple[SparseAttentionConfig, str]:
-    """The Hopper row for (RoPE tail present, heads bucket) and where its tiling comes from."""
+def topk_bucket(topk: int) -> int:
+    """The table's top-k key: 1024 for up to 1024 indices per row (dsv4.1's 640), 2048 above
+    (glm5's 2048 / 2112). The forward's winner differs between the two: a long index list
+    amortises FlashMLA's per-query setup, a short one favours the TileLang forward."""
+    return 1024 if topk <= 1024 else 2048
+
+
+def _hopper(tail: bool, heads: int, topk: int) -> tuple[SparseAttentionConfig, str]:
+    """The Hopper row for (RoPE tail present, heads bucket, top-k bucket) and where its choices
+    come from."""
     if heads == 64:
-        return (_HOPPER_64_TAIL if tail else _HOPPER_64), _MEASURED
-    config = _HOPPER_32 if heads == 32 else _HOPPER_SMALL
-    return config, _MEASURED if tail else "measured H200 at D=576; the 512-wide tiling follows it"
+        config, note = (_HOPPER_64_TAIL if tail else _HOPPER_64), _MEASURED
+    else:
+        config = _HOPPER_32 if heads == 32 else _HOPPER_SMALL
+        note = _MEASURED if tail else "backward measured H200 at D=576, the 512-wide row follows"
+    forward, forward_note = _FORWARD[tail, topk, heads]
+    return dataclasses.replace(config, forward_backend=forward), f"{forward_note}; {note}"
 
 
 # Blackwell: FlashMLA's sparse prefill where it is installed (else the torch reference), the
@@ -106,17 +158,28 @@ _BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend
 CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
     "sparse_attention",
     SparseAttentionConfig,
-    [KeyField("arch_major"), KeyField("rope_tail"), KeyField("heads", heads_bucket)],
+    [
+        KeyField("arch_major"),
+        KeyField("rope_tail"),
+        KeyField("heads", heads_bucket),
+        KeyField("topk", topk_bucket),
+    ],
     rows=[
         *(
-            ({"arch_major": 9, "rope_tail": tail, "heads": h}, *_hopper(tail, h))
+            ({"arch_major": 9, "rope_tail": tail, "heads": h, "topk": k}, *_hopper(tail, h, k))
             for tail in (True, False)
             for h in (8, 16, 32, 64)
+            for k in (1024, 2048)
         ),
         *(
-            ({"arch_major": 10, "rope_tail": tail, "heads": h}, _BLACKWELL, "unmeasured default")
+            (
+                {"arch_major": 10, "rope_tail": tail, "heads": h, "topk": k},
+                _BLACKWELL,
+                "unmeasured default",
+            )
             for tail in (True, False)
             for h in (8, 16, 32, 64)
+            for k in (1024, 2048)
         ),
     ],
     default=TORCH_CONFIG,

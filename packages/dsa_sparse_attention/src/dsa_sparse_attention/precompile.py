@@ -66,7 +66,7 @@ def precompile(
     for shape in shapes:
         shape = AttentionShape(*shape)
         hw = (shape.heads, shape.groups, shape.d_qk, shape.d_v)
-        cfg = _table_lookup(arch, *hw, config).config
+        cfg = _table_lookup(arch, *hw, shape.topk, config).config
         if cfg.forward_backend == "tilelang":
             check_forward_config(*hw, cfg.forward_block_i, cfg.forward_stages)
             topk = round_up(shape.topk, cfg.forward_block_i)
@@ -80,6 +80,7 @@ def precompile(
                 ("num_stages", cfg.backward_stages),
                 ("split_store", cfg.split_store),
                 ("dkv_reduce", cfg.dkv_reduce),
+                ("deterministic", cfg.deterministic),
             )
             check_backward_config(*hw, *(value for _, value in tiling))
             jobs.add((compile_backward, (*hw, shape.topk), (*tiling, ("target", target))))

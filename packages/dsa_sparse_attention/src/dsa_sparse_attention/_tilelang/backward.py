@@ -19,6 +19,16 @@ threads go on with the next slice's MMAs), or added with vectorised fp32 atomics
 registers (``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
 written. Query heads are padded to the MMA row block (16, 32 or 64) with zero rows.
 
+Deterministic mode (``deterministic=True``): fp32 reduce-adds land in L2 in whatever order the
+programs reach them, and fp32 addition is not associative, so dkv differs from run to run in its
+last bits. Integer addition is associative: in this mode every key-gradient value is converted to
+a 64-bit fixed-point integer (``round(x * 2**k)``) and added with ``.add.u64`` (bulk or atomic,
+two's complement), so the sum is the same bits in any order. ``2**k`` is chosen per call on the
+GPU from a bound on ``|dkv|`` (:func:`_fixed_point_scale`) so that no partial sum can overflow
+2**63 while the quantum stays ~2**-61 of the bound; the wrapper converts back through float64.
+dq and dsink need nothing: each dq row is written by one program in a fixed order, and dsink is a
+torch reduction.
+
 The bf16 ``out`` rounds ``delta = rowsum(o * do)``, and where attention is peaked (one key
 holds nearly all the weight) ``dP - delta`` cancels, so that rounding would dominate dq: the
 program also sums ``P * dP`` over its keys, which is the same rowsum with the fp32 ``o``, and
@@ -77,6 +87,16 @@ __device__ __forceinline__ void dsa_bulk_reduce_add_f32(float* gmem, const float
                :: "l"(gmem), "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ void dsa_bulk_reduce_add_u64(void* gmem, const void* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;\n"
+               :: "l"(gmem), "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "r"(bytes)
+               : "memory");
+}
+// x * 2**k rounded to the nearest int64, added as two's complement (the same bits in any order).
+__device__ __forceinline__ void dsa_red_add_fixed(void* gmem, float x, float fix) {
+  atomicAdd(static_cast<unsigned long long*>(gmem),
+            static_cast<unsigned long long>(__float2ll_rn(x * fix)));
+}
 __device__ __forceinline__ void dsa_fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -111,6 +131,7 @@ def shared_memory_bytes(
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
+    deterministic: bool,
 ) -> int:
     """Dynamic shared memory of one program of the dq / dkv kernel, in bytes (an upper bound:
     every buffer is rounded up to the 1 KiB alignment of swizzled MMA operands)."""
@@ -123,7 +144,8 @@ def shared_memory_bytes(
     size += 2 * kib(2 * block_h * block_i)  # P and dS (bf16)
     if dkv_reduce == "tma":
         widest = max(w for _, w in slices)
-        size += kib(4 * block_i * (widest + _STAGE_PAD))  # fp32 staging of one dkv slice
+        # Staging of one dkv slice: fp32, or int64 fixed point in deterministic mode.
+        size += kib((8 if deterministic else 4) * block_i * (widest + _STAGE_PAD))
     return size
 
 
@@ -146,14 +168,16 @@ def check_backward_config(
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
+    deterministic: bool,
 ) -> None:
     """Raise ValueError unless the backward kernels can run this configuration.
 
     Static shape: ``heads`` = ``q.shape[2]``, ``groups`` = ``kv.shape[2]``, ``dim`` =
     ``q.shape[-1]`` (d_v + RoPE tail), ``d_v``; tiling: ``block_i``, ``num_stages``,
-    ``split_store`` and ``dkv_reduce`` (``SparseAttentionConfig.backward_block_i``,
-    ``backward_stages``, ``split_store``, ``dkv_reduce``). Cheap, and called before anything is
-    compiled; each message names the argument or config field to change.
+    ``split_store``, ``dkv_reduce`` and ``deterministic`` (``SparseAttentionConfig.
+    backward_block_i``, ``backward_stages``, ``split_store``, ``dkv_reduce``,
+    ``deterministic``). Cheap, and called before anything is compiled; each message names the
+    argument or config field to change.
     """
     if heads < 1 or groups < 1 or heads % groups:
         raise ValueError(
@@ -217,6 +241,7 @@ def check_backward_config(
         num_stages=num_stages,
         split_store=split_store,
         dkv_reduce=dkv_reduce,
+        deterministic=deterministic,
     )
     if smem > HOPPER_SMEM_PER_BLOCK:
         # The tma mode's staging buffer is the one thing dkv_reduce='atomic' would drop.
@@ -227,7 +252,8 @@ def check_backward_config(
         )
         raise ValueError(
             f"SparseAttentionConfig.backward_block_i = {block_i}, backward_stages = "
-            f"{num_stages}, split_store = {split_store} and dkv_reduce = {dkv_reduce!r} need "
+            f"{num_stages}, split_store = {split_store}, dkv_reduce = {dkv_reduce!r} and "
+            f"deterministic = {deterministic} need "
             f"{smem} bytes of shared memory for {block_h} head rows at q.shape[-1] = {dim}, "
             f"more than the {HOPPER_SMEM_PER_BLOCK} bytes a Hopper thread block can use; use "
             f"{fixes}"
@@ -276,6 +302,7 @@ def _build_main(
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
+    deterministic: bool,
 ):
     """The dq / dkv kernel (see the module docstring) for a configuration that passed
     :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``.
@@ -284,8 +311,9 @@ def _build_main(
     bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, topk_padded]`` (the padded
     indices and the same clamped into ``[0, S_kv)``), ``Lse2`` / ``Dot`` / ``Delta`` fp32
     ``[B, S, H]`` (log2 lse, ``rowsum(out * dout)``, the delta used for dS), outputs ``dQ`` bf16
-    ``[B, S, H, D]``, ``dKV`` fp32 ``[B, S_kv, G, D]`` (added to) and ``DeltaFix`` fp32
-    ``[B, S, H]``, then ``sm_scale``.
+    ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
+    deterministic mode) and ``DeltaFix`` fp32 ``[B, S, H]``, then ``Fix`` fp32 ``[1]`` (the
+    fixed-point scale ``2**k``; read only in deterministic mode) and ``sm_scale``.
     """
     hg = heads // groups
     block_h = head_block(hg)
@@ -297,6 +325,7 @@ def _build_main(
     value_slices = [c for c, (c0, _) in enumerate(slices) if c0 < d_v]
     stage_w = max(w for _, w in slices) + _STAGE_PAD
     use_tma = dkv_reduce == "tma"
+    acc_dtype = T.int64 if deterministic else T.float32  # dKV and the staging buffer
     has_tail = dim > d_v
     # K/V ring of `n_buf` slots: the fetch of block ib + n_buf starts as soon as block ib's
     # slot is free (after its dq MMA), so up to n_buf blocks are in flight or resident.
@@ -426,7 +455,12 @@ def _build_main(
         T.tma_store_wait(0)
         T.sync_threads()
         for r, d in T.Parallel(bs, w):
-            e.stage[r, d] = e.acc_kv[c][r, d]
+            if deterministic:
+                e.stage[r, d] = T.call_extern(
+                    T.int64, "__float2ll_rn", e.acc_kv[c][r, d] * e.Fix[0]
+                )
+            else:
+                e.stage[r, d] = e.acc_kv[c][r, d]
         # Make the generic-proxy stores visible to the TMA (async proxy) reads.
         T.call_extern("handle", "dsa_fence_proxy_async_shared")
         T.sync_threads()
@@ -435,25 +469,35 @@ def _build_main(
             if (row >= 0) & (row < seq_kv):
                 T.call_extern(
                     "handle",
-                    "dsa_bulk_reduce_add_f32",
+                    "dsa_bulk_reduce_add_u64" if deterministic else "dsa_bulk_reduce_add_f32",
                     T.address_of(e.dKV[e.b, row, e.g, c0]),
                     T.address_of(e.stage[e.tx, 0]),
-                    w * 4,
+                    w * (8 if deterministic else 4),
                 )
             T.tma_store_arrive()
 
     @T.macro
     def reduce_slice_atomic(e, ib, c):
-        """Add slice `c` to dKV with vectorised fp32 atomics from registers (valid rows only)."""
+        """Add slice `c` to dKV with atomics from registers (valid rows only): vectorised fp32,
+        or one 64-bit fixed-point add per value in deterministic mode."""
         c0, w = slices[c]
         for r, d in T.Parallel(bs, w):
             if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
                 e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
             ):
-                T.atomic_add(
-                    e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
-                    e.acc_kv[c][r, d],
-                )
+                if deterministic:
+                    T.call_extern(
+                        "handle",
+                        "dsa_red_add_fixed",
+                        T.address_of(e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d]),
+                        e.acc_kv[c][r, d],
+                        e.Fix[0],
+                    )
+                else:
+                    T.atomic_add(
+                        e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
+                        e.acc_kv[c][r, d],
+                    )
 
     @T.macro
     def key_block(e, ib, buf):
@@ -512,8 +556,9 @@ def _build_main(
         Dot: T.Tensor((batch, seq, heads), T.float32),
         Delta: T.Tensor((batch, seq, heads), T.float32),
         dQ: T.Tensor((batch, seq, heads, dim), T.bfloat16),
-        dKV: T.Tensor((batch, seq_kv, groups, dim), T.float32),
+        dKV: T.Tensor((batch, seq_kv, groups, dim), acc_dtype),
         DeltaFix: T.Tensor((batch, seq, heads), T.float32),
+        Fix: T.Tensor((1,), T.float32),
         sm_scale: T.float32,
     ):
         with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=_PRELUDE) as (
@@ -541,7 +586,7 @@ def _build_main(
             acc_dp = T.alloc_fragment((block_h, bs), T.float32)
             acc_dq = [T.alloc_fragment((block_h, w), T.float32) for _, w in slices]
             acc_kv = [T.alloc_fragment((bs, w), T.float32) for _, w in slices]
-            stage = T.alloc_shared((bs, stage_w), T.float32) if use_tma else None
+            stage = T.alloc_shared((bs, stage_w), acc_dtype) if use_tma else None
             e = SimpleNamespace(
                 Q=Q,
                 KV=KV,
@@ -555,6 +600,7 @@ def _build_main(
                 dQ=dQ,
                 dKV=dKV,
                 DeltaFix=DeltaFix,
+                Fix=Fix,
                 sm_scale=sm_scale,
                 scale_log2=sm_scale * LOG2E,
                 b=b_i,
@@ -599,7 +645,8 @@ class BackwardKernels:
     """The compiled kernels of one static configuration (see :func:`compile_backward`)."""
 
     preprocess: tilelang.JITKernel  # (out, dout, rowsum(out * dout))
-    # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_fp32, delta_fix, scale)
+    # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_acc, delta_fix, fix,
+    #  scale)
     main: tilelang.JITKernel
     topk_padded: int
 
@@ -632,6 +679,7 @@ def compile_backward(
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
+    deterministic: bool,
     target: str,
 ) -> BackwardKernels:
     """Compile (or fetch from the in-process cache) the kernels of one static configuration.
@@ -648,7 +696,9 @@ def compile_backward(
             overlaps the fetch with the key-gradient work and n > 1 prefetches further ahead.
         split_store: slices of d_v the key gradient is computed and written in.
         dkv_reduce: ``"tma"`` (one bulk reduce-add per valid key row and slice) or
-            ``"atomic"`` (vectorised fp32 atomics from registers).
+            ``"atomic"`` (atomics from registers).
+        deterministic: add dkv as 64-bit fixed point (bitwise reproducible, see the module
+            docstring) instead of fp32.
         target: the CUDA arch to compile for, e.g. ``"sm_90a"``. Compiling needs nvcc, not a
             GPU.
 
@@ -656,7 +706,9 @@ def compile_backward(
     cannot run. Threads per program follow the head count (:func:`program_threads`). Batch,
     query and key lengths are not parameters: the kernels take them at run time.
     """
-    check_backward_config(heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce)
+    check_backward_config(
+        heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce, deterministic
+    )
     topk_padded = round_up(topk, block_i)
     return BackwardKernels(
         preprocess=_compile_preprocess(heads, d_v, target),
@@ -670,6 +722,7 @@ def compile_backward(
             num_stages,
             split_store,
             dkv_reduce,
+            deterministic,
             target=target,
         ),
         topk_padded=topk_padded,
@@ -680,6 +733,44 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` contiguous with a 16-byte aligned base (cp.async / bulk copies move 16 B units)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# The fixed-point scale keeps every partial sum of dkv below 2**61 (int64 holds 2**63): 2 bits of
+# headroom for the bound's own rounding and that of the bf16 P / dS operands. Its exponent stays
+# where 2**k and 2**-k are normal fp32 numbers.
+_FIXED_POINT_BITS = 61
+_FIXED_POINT_MAX_EXP = 120
+
+
+def _fixed_point_scale(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dout: torch.Tensor,
+    dot: torch.Tensor,
+    dlse2: torch.Tensor | None,
+    sm_scale: float,
+    d_v: int,
+) -> torch.Tensor:
+    """``2**k`` (fp32 ``[1]``, computed on the GPU: no host sync) with ``bound * 2**k <= 2**61``
+    for a bound on every partial sum of dkv; NaN when the inputs are not finite (dkv is then NaN).
+
+    Query row (t, h) adds ``sum_j P_j (dS_j q + P_j dout)`` to the keys it selects, with
+    ``sum_j P_j <= 1`` and ``|dS_j| <= P_j * sm_scale * (|dP_j| + |delta|)``, ``|dP_j| <= d_v *
+    max|dout_th| * max|v|``, ``|delta| <= |rowsum(out * dout)| + |dlse|``: so no value of dkv, nor
+    any partial sum of it, exceeds the sum over rows of ``sm_scale * (...) * max|q_th| +
+    max|dout_th|``. Twice that sum is the bound (margin for fp32 / bf16 rounding)."""
+    inf = float("inf")
+    q_max = torch.linalg.vector_norm(q, ord=inf, dim=-1).float()  # [B, S, H]
+    do_max = torch.linalg.vector_norm(dout, ord=inf, dim=-1).float()
+    v_max = torch.linalg.vector_norm(kv[..., :d_v], ord=inf).float()
+    slack = d_v * do_max * v_max + dot.abs()
+    if dlse2 is not None:
+        slack = slack + dlse2.abs() * LOG2E
+    bound = 2.0 * (sm_scale * slack * q_max + do_max).sum()
+    exp = (_FIXED_POINT_BITS - torch.log2(bound).ceil()).clamp(
+        -_FIXED_POINT_MAX_EXP, _FIXED_POINT_MAX_EXP
+    )
+    return torch.where(torch.isfinite(bound), torch.exp2(exp), torch.nan).reshape(1)
 
 
 def sparse_attention_backward_tilelang(
@@ -698,6 +789,7 @@ def sparse_attention_backward_tilelang(
     num_stages: int,
     split_store: int,
     dkv_reduce: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of sparse attention w.r.t. q, kv and the sink (CUDA tensors, no host sync).
 
@@ -714,16 +806,19 @@ def sparse_attention_backward_tilelang(
             (natural lse / ln 2; -inf for a row with no valid index and no sink).
         attn_sink: float32 ``[H]`` or None.
         sm_scale: softmax scale of the logits; d_v: value width.
-        block_i, num_stages, split_store, dkv_reduce: tiling, see :func:`compile_backward`.
+        block_i, num_stages, split_store, dkv_reduce, deterministic: see
+            :func:`compile_backward`.
 
     Returns:
         ``dq`` bfloat16 ``[B, S, H, D]``, ``dkv`` bfloat16 ``[B, S_kv, G, D]`` (accumulated in
-        fp32) and ``dsink`` float32 ``[H]`` (None without a sink). A row whose indices are all
-        padding gets dq = 0 and adds nothing to dkv.
+        fp32, or in 64-bit fixed point with ``deterministic``: then every output is the same
+        bits on every run and graph replay) and ``dsink`` float32 ``[H]`` (None without a
+        sink). A row whose indices are all padding gets dq = 0 and adds nothing to dkv.
     """
     b, s, h, d = q.shape
     s_kv, g = kv.shape[1], kv.shape[2]
-    dkv_acc = torch.zeros(b, s_kv, g, d, dtype=torch.float32, device=q.device)
+    acc_dtype = torch.int64 if deterministic else torch.float32
+    dkv_acc = torch.zeros(b, s_kv, g, d, dtype=acc_dtype, device=q.device)
     # Nothing to launch for an empty grid or when no key exists that an index could name.
     launch = b * s > 0 and s_kv > 0
     if launch:
@@ -737,6 +832,7 @@ def sparse_attention_backward_tilelang(
             num_stages=num_stages,
             split_store=split_store,
             dkv_reduce=dkv_reduce,
+            deterministic=deterministic,
             target=tilelang_target(device_arch(q.device))["arch"],
         )
         pad = kernels.topk_padded - indices.shape[-1]
@@ -752,6 +848,11 @@ def sparse_attention_backward_tilelang(
     # d lse / d s_j = p_j, so the lse gradient folds into delta; lse2 = lse * log2(e), so the
     # natural-log lse receives dlse2 * log2(e).
     delta = dot - dlse2 * LOG2E if dlse2 is not None else dot
+    fix = (
+        _fixed_point_scale(q, kv, dout, dot, dlse2, sm_scale, d_v)
+        if deterministic
+        else torch.ones(1, device=q.device)  # unread
+    )
     if launch:
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
@@ -768,6 +869,7 @@ def sparse_attention_backward_tilelang(
             dq,
             dkv_acc,
             delta_fix,
+            fix,
             float(sm_scale),
         )
         delta = delta_fix
@@ -778,4 +880,9 @@ def sparse_attention_backward_tilelang(
         # p_sink = exp(sink - lse) per row; rows with lse = -inf (no key, no sink) add nothing.
         p_sink = torch.exp2(attn_sink.float() * LOG2E - lse2)
         dsink = -(delta * torch.where(torch.isneginf(lse2), 0.0, p_sink)).sum(dim=(0, 1))
-    return dq, dkv_acc.to(torch.bfloat16), dsink
+    if deterministic:
+        # The scale is a power of two: float64 keeps 53 bits of each sum (bf16 needs 8).
+        dkv = (dkv_acc.to(torch.float64) / fix.to(torch.float64)).to(torch.bfloat16)
+    else:
+        dkv = dkv_acc.to(torch.bfloat16)
+    return dq, dkv, dsink
