@@ -136,7 +136,10 @@ def test_resolve_config_on_cuda(monkeypatch):
     monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
     monkeypatch.setenv(ARCH_ENV, "sm_90")
     found = resolve_config(q, kv, idx)
-    assert found.key == (("arch_major", 9), ("rope_tail", True), ("heads", 16), ("topk", 2048))
+    assert found.key == (
+        ("arch_major", 9), ("rope_tail", True), ("heads", 16), ("topk", 2048),
+        ("deterministic", False),
+    )  # fmt: skip
     # The row's FlashMLA forward is not importable here: the TileLang forward, and it says so.
     assert found.source.startswith("row (FlashMLA forward measured fastest")
     assert found.source.endswith("flash_mla not importable or not for this shape: tilelang forward")
@@ -167,39 +170,51 @@ def test_resolve_config_on_cuda(monkeypatch):
     assert resolve_config(q, kv, idx).source == "default"
 
 
-def test_torch_deterministic_mode_sets_the_config_field(monkeypatch):
-    """torch.use_deterministic_algorithms(True) turns on the deterministic backward for table
-    rows and callers' configs alike (CUDA tensors; CPU tensors are deterministic anyway)."""
+def test_deterministic_mode_resolution(monkeypatch):
+    """deterministic=True (or torch.use_deterministic_algorithms(True) with the default None)
+    picks the table's deterministic row, or sets the field of the caller's config;
+    deterministic=False overrides torch's switch; a config that says True stays True."""
     q, kv = fake_cuda(1, 1, 16, 576), fake_cuda(1, 1, 1, 576)
     idx = fake_cuda(1, 1, 1, 2048, dtype=torch.int32)
     monkeypatch.setenv(ARCH_ENV, "sm_90")
-    assert not resolve_config(q, kv, idx).config.deterministic
+    default = resolve_config(q, kv, idx)
+    assert not default.config.deterministic and dict(default.key)["deterministic"] is False
+    row = resolve_config(q, kv, idx, deterministic=True)
+    assert row.config.deterministic and dict(row.key)["deterministic"] is True
+    assert row.source.startswith("row (") and "deterministic backward measured" in row.source
+    mine = SparseAttentionConfig(split_store=4)
+    found = resolve_config(q, kv, idx, config=mine, deterministic=True)
+    assert found.config == dataclasses.replace(mine, deterministic=True)
+    assert found.source == "caller; deterministic"
+    kept = SparseAttentionConfig(deterministic=True)
+    assert resolve_config(q, kv, idx, config=kept, deterministic=False).config == kept
+    with pytest.raises(TypeError, match="deterministic must be a bool or None"):
+        resolve_config(q, kv, idx, deterministic=1)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        row = resolve_config(q, kv, idx)
-        mine = resolve_config(q, kv, idx, config=SparseAttentionConfig(split_store=4))
+        assert resolve_config(q, kv, idx).config == row.config
+        assert not resolve_config(q, kv, idx, deterministic=False).config.deterministic
     finally:
         torch.use_deterministic_algorithms(was)
-    assert row.config.deterministic and "use_deterministic_algorithms" in row.source
-    assert mine.config == SparseAttentionConfig(split_store=4, deterministic=True)
 
 
 def test_every_table_row_passes_the_kernel_checks():
     """No Hopper row holds a tiling its kernels refuse, at every head count its key covers."""
     rows = [r for r in CONFIG_TABLE.rows() if dict(r.key)["arch_major"] == 9]
-    assert len(rows) == 16
+    assert len(rows) == 32
     for row in rows:
         key = dict(row.key)
         dim = 576 if key["rope_tail"] else 512
         assert row.config.forward_backend in ("tilelang", "flash_mla")
-        assert row.config.backward_backend == "tilelang" and not row.config.deterministic
+        assert row.config.backward_backend == "tilelang"
+        assert row.config.deterministic == key["deterministic"]
         # A FlashMLA row runs the TileLang forward where FlashMLA is not importable.
         fallback = dataclasses.replace(row.config, forward_backend="tilelang")
         for heads in {key["heads"], key["heads"] // 2 + 1, 2 * key["heads"]}:
             _check_runnable(row.config, HOPPER, heads, 1, dim, 512)
             _check_runnable(fallback, HOPPER, heads, 1, dim, 512)
-            # The deterministic mode's staging fits every row's tiling too.
+            # A caller may also turn a default row deterministic: its staging fits too.
             deterministic = dataclasses.replace(row.config, deterministic=True)
             _check_runnable(deterministic, HOPPER, heads, 1, dim, 512)
 
@@ -340,30 +355,34 @@ def test_gpu_public_op_against_the_reference(heads, dim, topk, sink):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["config", "torch_flag", "torch_backward"])
+@pytest.mark.parametrize("how", ["argument", "config", "torch_flag", "torch_backward"])
 def test_gpu_deterministic_mode_end_to_end(how):
     """Through the public op, three forward+backward runs give the same bits for dq, dkv and
-    dsink: deterministic=True in the config (TileLang backward), the torch-wide switch with no
-    config (the table row gets deterministic=True), and the torch backward in that mode."""
+    dsink: deterministic=True as the argument (the table's deterministic row), in the caller's
+    config (the default row's tiling), through torch's switch with no config, and with the
+    torch backward in that mode."""
     gen = seeded_gen("deterministic public op", how)
     s, s_kv, heads, topk = 256, 96, 8, 160  # 2 x 256 queries per key row: contended adds
     q, kv, sink = attention_inputs(1, s, s_kv, heads, 1, 576, gen, sink=True, device="cuda")
     idx = attention_indices(1, s, 1, topk, s_kv, "duplicates", gen, device="cuda")
     dout = torch.randn(1, s, heads, 512, generator=gen).bfloat16().cuda()
     row = resolve_config(q, kv, idx).config
-    config = {
-        "config": dataclasses.replace(row, deterministic=True),
-        "torch_flag": None,
-        "torch_backward": dataclasses.replace(row, backward_backend="torch", deterministic=True),
+    kwargs = {
+        "argument": dict(deterministic=True),
+        "config": dict(config=dataclasses.replace(row, deterministic=True)),
+        "torch_flag": {},
+        "torch_backward": dict(
+            config=dataclasses.replace(row, backward_backend="torch", deterministic=True)
+        ),
     }[how]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(how == "torch_flag" or was)
     try:
-        assert resolve_config(q, kv, idx, config=config).config.deterministic
+        assert resolve_config(q, kv, idx, **kwargs).config.deterministic
         runs = []
         for _ in range(3):
             leaves = [x.clone().requires_grad_() for x in (q, kv, sink)]
-            out = sparse_attention(leaves[0], leaves[1], idx, attn_sink=leaves[2], config=config)
+            out = sparse_attention(leaves[0], leaves[1], idx, attn_sink=leaves[2], **kwargs)
             runs.append(torch.autograd.grad(out, leaves, dout))
     finally:
         torch.use_deterministic_algorithms(was)

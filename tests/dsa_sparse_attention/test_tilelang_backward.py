@@ -36,11 +36,13 @@ SM90A = "sm_90a"
 D_V = 512
 
 
-def _row_tiling(heads: int, dim: int) -> dict:
-    """The backward tiling of the Hopper table row for (heads bucket, RoPE tail present), as
-    ``sparse_attention`` picks it (keyed by all of ``q``'s heads, whatever the kv groups; the
-    backward rows do not depend on the top-k class), in the default (non-deterministic) mode."""
-    cfg = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > D_V, heads=heads, topk=2048).config
+def _row_tiling(heads: int, dim: int, deterministic: bool = False) -> dict:
+    """The backward tiling of the Hopper table row for (heads bucket, RoPE tail present, mode),
+    as ``sparse_attention`` picks it (keyed by all of ``q``'s heads, whatever the kv groups; the
+    backward rows do not depend on the top-k bucket)."""
+    cfg = CONFIG_TABLE.lookup(
+        arch_major=9, rope_tail=dim > D_V, heads=heads, topk=2048, deterministic=deterministic
+    ).config
     return dict(
         block_i=cfg.backward_block_i,
         num_stages=cfg.backward_stages,
@@ -77,8 +79,11 @@ FAST_VARIANTS = [
     dict(heads=32, dim=576),
     dict(heads=64, dim=576),
     dict(heads=128, dim=512),
-    dict(heads=8, dim=576, deterministic=True),
+    # Deterministic: a default row's tiling in that mode (a caller's config), and the table's
+    # deterministic rows (bulk u64 reduce-adds in 4 slices).
     dict(heads=64, dim=576, deterministic=True),
+    dict(heads=8, dim=576, **_row_tiling(8, 576, deterministic=True)),
+    dict(heads=64, dim=576, **_row_tiling(64, 576, deterministic=True)),
 ]
 TABLE_VARIANTS = [
     dict(heads=h, dim=d) for h in (8, 16, 32, 64, 128) for d in (512, 576)
@@ -94,11 +99,15 @@ SLOW_VARIANTS = [v for v in TABLE_VARIANTS if v not in FAST_VARIANTS] + [
     dict(heads=128, dim=576, groups=2),
     dict(heads=96, dim=576),
     dict(heads=4, dim=576, groups=2),
-    *(dict(heads=h, dim=d, deterministic=True) for h in (16, 32, 128) for d in (512, 576)),
-    dict(heads=8, dim=512, deterministic=True),
+    *(
+        dict(heads=h, dim=d, **_row_tiling(h, d, deterministic=True))
+        for h in (8, 16, 32, 64, 128)
+        for d in (512, 576)
+        if (h, d) not in ((8, 576), (64, 576))
+    ),
+    *(dict(heads=h, dim=d, deterministic=True) for h in (8, 16, 32, 128) for d in (512, 576)),
     dict(heads=64, dim=512, deterministic=True),
     dict(heads=8, dim=576, dkv_reduce="atomic", deterministic=True),
-    dict(heads=64, dim=512, dkv_reduce="tma", split_store=4, deterministic=True),
 ]
 
 
@@ -160,11 +169,14 @@ def test_table_tilings_fit_every_head_count_of_their_bucket(dim):
     """Each Hopper row's tiling passes the checks (shared memory included) for every head count
     that buckets to it, 1 to 128."""
     for hg in range(1, 129):
-        tiling = _row_tiling(hg, dim)
-        bw.check_backward_config(hg, 1, dim, D_V, *tiling.values())
-        assert bw.shared_memory_bytes(hg, dim, D_V, **tiling) <= HOPPER_SMEM_PER_BLOCK
-    # Two programs per SM for small head counts (each hides the other's gather).
-    assert bw.shared_memory_bytes(8, dim, D_V, **_row_tiling(8, dim)) <= 113 * 1024
+        for deterministic in (False, True):
+            tiling = _row_tiling(hg, dim, deterministic)
+            bw.check_backward_config(hg, 1, dim, D_V, *tiling.values())
+            assert bw.shared_memory_bytes(hg, dim, D_V, **tiling) <= HOPPER_SMEM_PER_BLOCK
+    # Two programs per SM for small head counts (each hides the other's gather), in both modes.
+    for deterministic in (False, True):
+        tiling = _row_tiling(8, dim, deterministic)
+        assert bw.shared_memory_bytes(8, dim, D_V, **tiling) <= 113 * 1024
 
 
 @pytest.mark.parametrize(
@@ -264,11 +276,15 @@ MATRIX = (
         (64, 1, 512, 640, dict(num_stages=2, split_store=4)),
     ]
 )
-# Deterministic mode at every table row's tiling (and two head blocks), with many queries per
-# key so that concurrent adds to one key row are the rule: 2 x 256 queries over 96 keys.
+# Deterministic mode at every deterministic table row's tiling (and two head blocks), and at
+# the default rows' tilings turned deterministic (what a caller's config with
+# deterministic=True runs), with many queries per key so that concurrent adds to one key row
+# are the rule: 2 x 256 queries over 96 keys.
 DETERMINISTIC = [
-    (h, 1, d, 160, dict(deterministic=True)) for h in (8, 16, 32, 64, 128) for d in (512, 576)
-]
+    (h, 1, d, 160, _row_tiling(h, d, deterministic=True))
+    for h in (8, 16, 32, 64, 128)
+    for d in (512, 576)
+] + [(h, 1, 576, 160, dict(deterministic=True)) for h in (8, 32, 64)]
 # support.attention_indices patterns: padding of every kind, with and without duplicates.
 PADDINGS = ("mixed", "tail", "shuffled", "empty_rows", "out_of_range", "duplicates")
 

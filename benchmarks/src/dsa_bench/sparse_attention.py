@@ -25,9 +25,10 @@ Precision, up to ``--check-max-tokens`` (columns ``rd_out``, ``rd_dq``, ``rd_dkv
 inputs, where more than one runs (each row against the first other backend of ``--backends``;
 also up to ``--check-max-tokens``, and with ``--forward-only``).
 
-``--deterministic`` adds, beside each run, the same config with ``deterministic=True`` (the
-``mode`` column), and for every row the ``bitwise`` column: whether two more forward+backward
-calls gave bit-identical dq, dkv and dsink.
+``--deterministic`` adds, beside each run, the table's deterministic row for the shape (the
+``mode`` column; ``resolve_config(..., deterministic=True)``), and for every row the
+``bitwise`` column: whether two more forward+backward calls gave bit-identical dq, dkv and
+dsink.
 
 Without a GPU (or with ``--cpu``) it runs a small default on the torch backend, 256 tokens at
 the TP 8 head count, and says so; ``--full`` (every length up to 128k) is refused there unless
@@ -92,26 +93,24 @@ PROGRESS = ["model", "tp", "heads", "tokens", "backend", "mode", "fwd_ms", "fwd_
 
 @dataclasses.dataclass
 class Plan:
-    """One (model, TP size): the table's lookup and the (forward backend, config) pairs that
-    run (a backend twice with ``--deterministic``: the config as looked up, then
-    deterministic)."""
+    """One (model, TP size): the (forward backend, table lookup, config) triples that run: the
+    lookup's config with each backend swapped in, and with ``--deterministic`` the same from the
+    table's deterministic row."""
 
     model: ModelShape
     tp: int
-    lookup: Lookup[SparseAttentionConfig]
-    runs: list[tuple[str, SparseAttentionConfig]]
+    runs: list[tuple[str, Lookup[SparseAttentionConfig], SparseAttentionConfig]]
 
     @property
     def heads(self) -> int:
         return self.model.local_heads(self.tp)
 
-    def describe(self, config: SparseAttentionConfig) -> str:
-        """The ``config`` column: the lookup's description, and what the run changed."""
-        text = self.lookup.describe()
-        if config.forward_backend != self.lookup.config.forward_backend:
+    @staticmethod
+    def describe(lookup: Lookup[SparseAttentionConfig], config: SparseAttentionConfig) -> str:
+        """The ``config`` column: the lookup's description, and the forward swapped in."""
+        text = lookup.describe()
+        if config.forward_backend != lookup.config.forward_backend:
             text += f"; forward_backend={config.forward_backend}"
-        if config.deterministic != self.lookup.config.deterministic:
-            text += f"; deterministic={config.deterministic}"
         return text
 
 
@@ -157,22 +156,24 @@ def plan_case(
     q = torch.empty(1, 1, heads, model.d_qk, device=device, dtype=torch.bfloat16)
     kv = torch.empty(1, 1, 1, model.d_qk, device=device, dtype=torch.bfloat16)
     idx = torch.empty(1, 1, 1, model.topk, device=device, dtype=torch.int32)
-    lookup = resolve_config(q, kv, idx, d_v=model.d_v)
+    modes = (False, True) if deterministic else (False,)
+    lookups = [resolve_config(q, kv, idx, d_v=model.d_v, deterministic=mode) for mode in modes]
+    if len(lookups) == 2 and lookups[1].config == lookups[0].config:
+        lookups.pop()  # one config for both modes (the CPU's torch reference): run it once
     runs = []
     for backend in backends:
-        config = dataclasses.replace(lookup.config, forward_backend=backend)
-        really = resolve_config(q, kv, idx, d_v=model.d_v, config=config)
-        if really.config.forward_backend == backend:
-            runs.append((backend, config))
-            if deterministic and not config.deterministic:
-                runs.append((backend, dataclasses.replace(config, deterministic=True)))
-        else:
-            print(
-                f"skip: model={model.name} tp={tp} heads={heads} backend={backend}: "
-                f"{really.config.forward_backend} would run instead ({really.source})",
-                flush=True,
-            )
-    return Plan(model, tp, lookup, runs)
+        for lookup in lookups:
+            config = dataclasses.replace(lookup.config, forward_backend=backend)
+            really = resolve_config(q, kv, idx, d_v=model.d_v, config=config)
+            if really.config.forward_backend != backend:
+                print(
+                    f"skip: model={model.name} tp={tp} heads={heads} backend={backend}: "
+                    f"{really.config.forward_backend} would run instead ({really.source})",
+                    flush=True,
+                )
+                break
+            runs.append((backend, lookup, config))
+    return Plan(model, tp, runs)
 
 
 def build_kernels(plans: list[Plan], arch, workers: int = 16) -> int:
@@ -180,15 +181,14 @@ def build_kernels(plans: list[Plan], arch, workers: int = 16) -> int:
     no GPU). Returns the number of kernels."""
     jobs = {}
     for plan in plans:
-        if not plan.runs:
-            continue
         m = plan.model
         shape = AttentionShape(plan.heads, m.d_qk, m.d_v, m.topk, 1, m.sink)
-        # The runs of a shape differ in their forward backend only: one build covers the
-        # TileLang forward (if any run uses it) and the backward they share.
-        backends = [b for b, _ in plan.runs]
-        forward = "tilelang" if "tilelang" in backends else backends[0]
-        jobs[(shape, dataclasses.replace(plan.runs[0][1], forward_backend=forward))] = None
+        # The runs of one lookup (mode) differ in their forward backend only: one build covers
+        # the TileLang forward (if any of them uses it) and the backward they share.
+        for lookup in {id(lookup): lookup for _, lookup, _ in plan.runs}.values():
+            backends = [b for b, other, _ in plan.runs if other is lookup]
+            forward = "tilelang" if "tilelang" in backends else backends[0]
+            jobs[(shape, dataclasses.replace(lookup.config, forward_backend=forward))] = None
     per_job = max(1, workers // max(1, len(jobs)))
 
     def build(job) -> int:
@@ -220,7 +220,7 @@ def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
     check = compare and not args.forward_only  # rd_out, rd_dq, rd_dkv, rd_dsink
     expected = None  # the precision reference, computed once for every backend
     rows, outputs = [], {}  # outputs: the first forward output of each backend
-    for backend, config in plan.runs:
+    for backend, lookup, config in plan.runs:
 
         def forward(config=config):
             with torch.no_grad():
@@ -254,7 +254,7 @@ def run_case(plan: Plan, tokens: int, args, device, peak) -> list[dict]:
             "tokens": tokens,
             "backend": backend,
             "mode": "deterministic" if config.deterministic else "default",
-            "config": plan.describe(config),
+            "config": plan.describe(lookup, config),
             "fwd_ms": fwd_ms,
             "fwd_bwd_ms": fb_ms,
             "fwd_tflops": f_fwd / fwd_ms / 1e9,

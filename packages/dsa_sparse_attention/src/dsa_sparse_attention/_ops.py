@@ -44,15 +44,35 @@ def _table_lookup(
     d_v: int,
     topk: int,
     config: SparseAttentionConfig | None,
+    deterministic: bool | None,
 ) -> Lookup[SparseAttentionConfig]:
-    """The config for these static shapes on a GPU ``arch``: the caller's or the table row, with
-    a FlashMLA forward replaced by the one that runs where FlashMLA cannot. ROCm devices get
-    the torch reference unless the caller asks for more (no kernel here is built for them)."""
+    """The config for these static shapes on a GPU ``arch``: the caller's or the table row, in
+    deterministic mode if asked (``None``: as ``torch.are_deterministic_algorithms_enabled()``),
+    with a FlashMLA forward replaced by the one that runs where FlashMLA cannot. ROCm devices
+    get the torch reference unless the caller asks for more (no kernel here is built for
+    them)."""
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if arch.vendor != "cuda" and config is None:
-        return Lookup(TORCH_CONFIG, f"{arch.sm}: the torch reference", ())
+        return Lookup(
+            dataclasses.replace(TORCH_CONFIG, deterministic=deterministic),
+            f"{arch.sm}: the torch reference",
+            (),
+        )
     found = CONFIG_TABLE.lookup(
-        config, arch_major=arch.major, rope_tail=dim > d_v, heads=heads, topk=topk
+        config,
+        arch_major=arch.major,
+        rope_tail=dim > d_v,
+        heads=heads,
+        topk=topk,
+        deterministic=deterministic,
     )
+    if deterministic and not found.config.deterministic:  # the caller's config, in that mode
+        found = Lookup(
+            dataclasses.replace(found.config, deterministic=True),
+            f"{found.source}; deterministic",
+            found.key,
+        )
     cfg = found.config
     if cfg.forward_backend == "flash_mla" and not (
         _flash_mla.flash_mla_importable()
@@ -74,16 +94,18 @@ def resolve_config(
     *,
     d_v: int | None = None,
     config: SparseAttentionConfig | None = None,
+    deterministic: bool | None = None,
 ) -> Lookup[SparseAttentionConfig]:
     """The config that :func:`sparse_attention` runs for these inputs, and where it came from.
 
     ``.config`` is what really runs: CPU tensors run the torch reference whatever ``config``
     says; on a CUDA device it is ``config`` if given, else the measured table row for (arch
-    major, RoPE tail present, TP-local heads bucket, top-k bucket of ``indices.shape[-1]``),
-    else the torch reference for an arch without rows; a FlashMLA forward that cannot run here
-    is replaced by the one that does. Under ``torch.use_deterministic_algorithms(True)`` the
-    config's ``deterministic`` is set. ``.source`` says which of these applied and
-    ``.describe()`` prints it with the table key.
+    major, RoPE tail present, TP-local heads bucket, top-k bucket of ``indices.shape[-1]``,
+    deterministic), else the torch reference for an arch without rows; a FlashMLA forward that
+    cannot run here is replaced by the one that does. ``deterministic`` (default ``None``: as
+    ``torch.are_deterministic_algorithms_enabled()``) picks the deterministic row, or sets the
+    field of the caller's config; a config that says ``deterministic=True`` keeps it either way.
+    ``.source`` says which of these applied and ``.describe()`` prints it with the table key.
     """
     if config is not None and not isinstance(config, SparseAttentionConfig):
         raise TypeError(
@@ -91,21 +113,23 @@ def resolve_config(
         )
     dim = q.shape[-1]
     d_v = min(dim, 512) if d_v is None else d_v
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"{_OP}: deterministic must be a bool or None, got {deterministic!r}")
     if q.device.type != "cuda":
         source = "cpu tensors: the torch reference"
         if config is not None:
             source += " (the caller's config applies to CUDA tensors only)"
         return Lookup(TORCH_CONFIG, source, ())
-    found = _table_lookup(
-        device_arch(q.device), q.shape[2], kv.shape[2], dim, d_v, indices.shape[-1], config
+    return _table_lookup(
+        device_arch(q.device),
+        q.shape[2],
+        kv.shape[2],
+        dim,
+        d_v,
+        indices.shape[-1],
+        config,
+        deterministic,
     )
-    if torch.are_deterministic_algorithms_enabled() and not found.config.deterministic:
-        return Lookup(
-            dataclasses.replace(found.config, deterministic=True),
-            f"{found.source}; deterministic (torch.use_deterministic_algorithms)",
-            found.key,
-        )
-    return found
 
 
 def _check_runnable(
@@ -342,6 +366,7 @@ def sparse_attention(
     d_v: int | None = None,
     attn_sink: torch.Tensor | None = None,
     config: SparseAttentionConfig | None = None,
+    deterministic: bool | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA-style sparse attention of each query over its selected keys.
@@ -359,6 +384,11 @@ def sparse_attention(
             denominator only (it has no value).
         config: a :class:`SparseAttentionConfig`; default the measured table row
             (:func:`resolve_config` tells which).
+        deterministic: make the gradients bitwise reproducible (dq, dkv and dsink the same bits
+            on every run and CUDA-graph replay; the backward then adds dkv in 64-bit fixed
+            point, about 1.8-2x its default time). ``None`` (default) follows
+            ``torch.use_deterministic_algorithms``; a config with ``deterministic=True`` is
+            deterministic either way.
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -385,8 +415,9 @@ def sparse_attention(
             layout=f"[H={h}]",
             device=q.device,
         )
-    cfg = resolve_config(q, kv, indices, d_v=d_v, config=config).config
+    found = resolve_config(q, kv, indices, d_v=d_v, config=config, deterministic=deterministic)
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)
-    out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *config_fields(cfg))
+    fields = config_fields(found.config)
+    out, lse2 = _forward_op(q, kv, indices, attn_sink, float(sm_scale), d_v, *fields)
     return (out, lse2 * LN2) if return_lse else out

@@ -102,6 +102,13 @@ _HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
 _HOPPER_32 = dataclasses.replace(_HOPPER_64, split_store=4)
 _HOPPER_64_TAIL = dataclasses.replace(_HOPPER_64, backward_block_i=64)
 _MEASURED = "backward measured H200 (sweep and dsa-bench, 16k tokens)"
+# Deterministic mode: the int64 staging doubles the bytes of each reduce-add, and the sweep in
+# that mode (results/sparse_backward_sweep_deterministic.csv, 16k tokens) picks bulk
+# reduce-adds in 4 slices of 32-key blocks at 8 and 64 heads: 58.8 ms (8 heads; 67.5 with the
+# default row's tiling) and 93.1 ms (64 heads; 119.2 with the default row's atomics). 16 and 32
+# heads follow them.
+_HOPPER_DETERMINISTIC = dataclasses.replace(_HOPPER_SMALL, split_store=4, deterministic=True)
+_MEASURED_DETERMINISTIC = "deterministic backward measured H200 at D=576 (sweep, 16k tokens)"
 
 # Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built on the
 # H200 (results/sparse_attention_forward_backends.csv: every model and TP size at 4k and 16k,
@@ -139,10 +146,14 @@ def topk_bucket(topk: int) -> int:
     return 1024 if topk <= 1024 else 2048
 
 
-def _hopper(tail: bool, heads: int, topk: int) -> tuple[SparseAttentionConfig, str]:
-    """The Hopper row for (RoPE tail present, heads bucket, top-k bucket) and where its choices
-    come from."""
-    if heads == 64:
+def _hopper(
+    tail: bool, heads: int, topk: int, deterministic: bool
+) -> tuple[SparseAttentionConfig, str]:
+    """The Hopper row for (RoPE tail present, heads bucket, top-k bucket, deterministic) and
+    where its choices come from."""
+    if deterministic:
+        config, note = _HOPPER_DETERMINISTIC, _MEASURED_DETERMINISTIC
+    elif heads == 64:
         config, note = (_HOPPER_64_TAIL if tail else _HOPPER_64), _MEASURED
     else:
         config = _HOPPER_32 if heads == 32 else _HOPPER_SMALL
@@ -154,6 +165,14 @@ def _hopper(tail: bool, heads: int, topk: int) -> tuple[SparseAttentionConfig, s
 # Blackwell: FlashMLA's sparse prefill where it is installed (else the torch reference), the
 # torch backward; no TileLang kernel here is built or measured for sm_100 yet.
 _BLACKWELL = SparseAttentionConfig(forward_backend="flash_mla", backward_backend="torch")
+# (RoPE tail, heads bucket, top-k bucket, deterministic): the key of every row of an arch.
+_KEYS = [
+    (tail, h, k, det)
+    for tail in (True, False)
+    for h in (8, 16, 32, 64)
+    for k in (1024, 2048)
+    for det in (False, True)
+]
 
 CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
     "sparse_attention",
@@ -163,23 +182,23 @@ CONFIG_TABLE: ConfigTable[SparseAttentionConfig] = ConfigTable(
         KeyField("rope_tail"),
         KeyField("heads", heads_bucket),
         KeyField("topk", topk_bucket),
+        KeyField("deterministic"),
     ],
     rows=[
         *(
-            ({"arch_major": 9, "rope_tail": tail, "heads": h, "topk": k}, *_hopper(tail, h, k))
-            for tail in (True, False)
-            for h in (8, 16, 32, 64)
-            for k in (1024, 2048)
+            (
+                {"arch_major": 9, "rope_tail": tail, "heads": h, "topk": k, "deterministic": det},
+                *_hopper(tail, h, k, det),
+            )
+            for tail, h, k, det in _KEYS
         ),
         *(
             (
-                {"arch_major": 10, "rope_tail": tail, "heads": h, "topk": k},
-                _BLACKWELL,
+                {"arch_major": 10, "rope_tail": tail, "heads": h, "topk": k, "deterministic": det},
+                dataclasses.replace(_BLACKWELL, deterministic=det),
                 "unmeasured default",
             )
-            for tail in (True, False)
-            for h in (8, 16, 32, 64)
-            for k in (1024, 2048)
+            for tail, h, k, det in _KEYS
         ),
     ],
     default=TORCH_CONFIG,

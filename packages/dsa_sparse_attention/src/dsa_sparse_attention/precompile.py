@@ -30,6 +30,7 @@ def precompile(
     *,
     arch: Arch | str | None = None,
     config: SparseAttentionConfig | None = None,
+    deterministic: bool | None = None,
     max_workers: int = 16,
 ) -> int:
     """Compile the TileLang kernels that calls of these shapes will use, on a thread pool.
@@ -43,6 +44,8 @@ def precompile(
         arch: the arch to build for (``"sm_90"``, an :class:`Arch`); default the current device's
             (a ``ValueError`` without a GPU). Compiling needs nvcc, not a GPU.
         config: the config the calls will pass, default each shape's table row.
+        deterministic: the mode the calls will run in, as ``sparse_attention``'s argument
+            (``None``: as ``torch.use_deterministic_algorithms``).
         max_workers: parallel builds.
 
     Returns:
@@ -66,7 +69,7 @@ def precompile(
     for shape in shapes:
         shape = AttentionShape(*shape)
         hw = (shape.heads, shape.groups, shape.d_qk, shape.d_v)
-        cfg = _table_lookup(arch, *hw, shape.topk, config).config
+        cfg = _table_lookup(arch, *hw, shape.topk, config, deterministic).config
         if cfg.forward_backend == "tilelang":
             check_forward_config(*hw, cfg.forward_block_i, cfg.forward_stages)
             topk = round_up(shape.topk, cfg.forward_block_i)
