@@ -156,7 +156,9 @@ def test_precompile_builds_the_table_kernels(monkeypatch):
     assert precompile([shape, shape], arch="sm_90") == 1
     monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
     assert precompile([shape, shape], arch="sm_90") == 2
-    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=True, heads=64, topk=2048).config
+    row = CONFIG_TABLE.lookup(
+        arch_major=9, rope_tail=True, heads=64, topk=2048, deterministic=False
+    ).config
     built = (fwd.compile_forward.cache_info(), bw._compile_main.cache_info())
     fwd.compile_forward(
         64, 1, 576, 512, 2048, False, row.forward_block_i, row.forward_stages, SM90A
@@ -369,7 +371,9 @@ def test_wrapper_matches_reference_and_captures(with_sink, warm_kernels):
     and replay."""
     gen = seeded_gen("wrapper", with_sink)
     heads, dim, topk = (64, 512, 640) if with_sink else (64, 576, 2048)
-    row = CONFIG_TABLE.lookup(arch_major=9, rope_tail=dim > 512, heads=heads, topk=topk).config
+    row = CONFIG_TABLE.lookup(
+        arch_major=9, rope_tail=dim > 512, heads=heads, topk=topk, deterministic=False
+    ).config
     tiling = dict(block_i=row.forward_block_i, num_stages=row.forward_stages)
     q, kv, sink = attention_inputs(1, 48, 700, heads, 1, dim, gen, sink=with_sink, device="cuda")
     idx = attention_indices(1, 48, 1, topk, 700, "shuffled", gen, device="cuda")

@@ -114,9 +114,11 @@ def probs_sweep(tokens: int = 16384) -> None:
         results = []
         saved = kernel._BLOCK_K, kernel._WARPS, kernel._STAGES
         try:
-            for block_k in (32, 64, 128):
+            # 16-key steps: the bare gather (dsa_bench.gather_floor) ran fastest in 16-row
+            # steps with 8 warps; 128-key steps and 1 stage lost everywhere in the first sweep.
+            for block_k in (16, 32, 64):
                 for warps in (4, 8):
-                    for stages in (1, 2, 3):
+                    for stages in (2, 3, 4):
                         kernel._BLOCK_K, kernel._WARPS, kernel._STAGES = block_k, warps, stages
                         try:
                             got = call()

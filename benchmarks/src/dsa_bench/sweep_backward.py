@@ -53,20 +53,21 @@ COLUMNS = [
 ]
 
 
-def table_row(model: ModelShape, tp: int) -> SparseAttentionConfig:
-    """The config table's row for this shape on the current GPU."""
+def table_row(model: ModelShape, tp: int, deterministic: bool = False) -> SparseAttentionConfig:
+    """The config table's row for this shape on the current GPU, in the given mode."""
     return CONFIG_TABLE.lookup(
         arch_major=device_arch().major,
         rope_tail=model.d_qk > model.d_v,
         heads=model.local_heads(tp),
         topk=model.topk,
+        deterministic=deterministic,
     ).config
 
 
 def candidates(model: ModelShape, tp: int, quick: bool, deterministic: bool) -> list[dict]:
     """Tilings the backward accepts for this shape in the given mode: the table row's first."""
     hg, dim, d_v = model.local_heads(tp), model.d_qk, model.d_v
-    row = table_row(model, tp)
+    row = table_row(model, tp, deterministic)
     default = dict(
         block_i=row.backward_block_i,
         num_stages=row.backward_stages,
