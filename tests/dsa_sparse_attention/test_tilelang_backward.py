@@ -211,9 +211,11 @@ def test_rejects_unsupported_configs(kwargs, match):
         bw.compile_backward(*shape.values(), 2048, **tiling, target=SM90A)
 
 
-def test_degenerate_shapes_launch_nothing():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_degenerate_shapes_launch_nothing(deterministic):
     """No query or no key: nothing is launched (so this runs on the CPU), dq = 0, dkv = 0 and
-    dsink still sees the lse gradient through delta = rowsum(out * dout) - dlse."""
+    dsink still sees the lse gradient through delta = rowsum(out * dout) - dlse; in both
+    modes (the deterministic scale is not computed without a launch)."""
     gen = seeded_gen("degenerate")
     b, s, h, g, d, topk = 2, 5, 8, 1, 576, 64
     q, kv, sink = attention_inputs(b, s, 0, h, g, d, gen, sink=True)
@@ -222,11 +224,12 @@ def test_degenerate_shapes_launch_nothing():
     idx = torch.full((b, s, g, topk), -1, dtype=torch.int32)
     dlse2 = torch.randn(b, s, h, generator=gen)  # gradient of the log2-space lse
     lse2 = (sink * LOG2E).expand(b, s, h).contiguous()  # only the sink is in the softmax
-    tiling = _row_tiling(h, d)
+    tiling = _row_tiling(h, d, deterministic)
     dq, dkv, dsink = bw.sparse_attention_backward_tilelang(
         dout, dlse2, q, kv, idx, out, lse2, sink, 0.05, D_V, **tiling
     )
     assert dq.shape == q.shape and bool((dq == 0).all()) and dkv.shape == kv.shape
+    assert dkv.dtype == torch.bfloat16
     # p_sink = 1 on every row, and d lse2 / d lse = log2(e).
     torch.testing.assert_close(dsink, dlse2.sum(dim=(0, 1)) * LOG2E)
     empty = q[:, :0]
@@ -235,6 +238,53 @@ def test_degenerate_shapes_launch_nothing():
         **tiling,
     )  # fmt: skip
     assert dq.shape == empty.shape and dsink is None
+
+
+def test_fixed_point_scale_bounds_every_column():
+    """The deterministic mode's per-column scale (CPU, float64 check): every partial sum of the
+    head-summed key-gradient values a program adds, scaled, stays below 2**61 in every column,
+    also with outlier channels, peaked attention, a sink, the lse gradient and duplicated
+    indices; an outlier channel of q gets its own coarser scale, and fixed point summed in any order
+    matches the float64 sum to 1e-9 of each column's largest value."""
+    gen = seeded_gen("fixed point scale")
+    b, s, s_kv, h, d, topk, scale = 2, 24, 40, 8, 576, 32, 0.07
+    q, kv, sink = attention_inputs(b, s, s_kv, h, 1, d, gen, sink=True)
+    q[..., 7] *= 100  # outlier channels of q and of the keys / values
+    kv[..., 300] *= 100
+    q[0, 3] *= 40  # a peaked row
+    idx = attention_indices(b, s, 1, topk, s_kv, "duplicates", gen)
+    dout = torch.randn(b, s, h, D_V, generator=gen).to(torch.bfloat16)
+    dlse = torch.randn(b, s, h, generator=gen) * 3
+    f64 = torch.float64
+    out, lse = reference.sparse_attention_forward_reference(q, kv, idx, scale, D_V, sink, dtype=f64)
+    dot = (out.to(torch.bfloat16).float() * dout.float()).sum(-1)
+    fix = bw._fixed_point_scale(q, kv, dout, dot, dlse * LN2, scale, D_V).to(f64)
+    assert fix.shape == (d,) and bool(torch.isfinite(fix).all())
+    # The values one program adds: for query (b, s) and slot j, summed over the heads.
+    keys = kv[:, :, 0].to(f64)[torch.arange(b)[:, None, None], idx[:, :, 0].long()]  # b s j d
+    qf, dof = q.to(f64), dout.to(f64)
+    p = torch.exp(torch.einsum("bshd,bsjd->bshj", qf, keys) * scale - lse[..., None])
+    dp = torch.einsum("bshd,bsjd->bshj", dof, keys[..., :D_V])
+    delta = (dot.to(f64) - dlse.to(f64))[..., None]
+    ds = p * (dp - delta) * scale
+    add = torch.einsum("bshj,bshd->bsjd", ds, qf)
+    add[..., :D_V] += torch.einsum("bshj,bshd->bsjd", p, dof)
+    flat = idx[:, :, 0].long() + torch.arange(b)[:, None, None] * s_kv  # global key rows
+    worst = torch.zeros(b * s_kv, d, dtype=f64).index_add_(0, flat.reshape(-1),
+                                                          add.abs().reshape(-1, d))  # fmt: skip
+    assert bool((worst.amax(0) * fix <= 2.0**61).all())
+    assert fix[7] < fix[6]  # q's outlier channel coarsens its own column only
+    # Fixed point, summed in two different orders, against the float64 sum.
+    ints = torch.round(add.reshape(-1, d) * fix).to(torch.int64)
+    order = torch.randperm(ints.shape[0], generator=gen)
+    fwd = torch.zeros(b * s_kv, d, dtype=torch.int64).index_add_(0, flat.reshape(-1), ints)
+    rev = torch.zeros(b * s_kv, d, dtype=torch.int64).index_add_(
+        0, flat.reshape(-1)[order], ints[order]
+    )
+    assert torch.equal(fwd, rev)
+    exact = torch.zeros(b * s_kv, d, dtype=f64).index_add_(0, flat.reshape(-1), add.reshape(-1, d))
+    err = (fwd.to(f64) / fix - exact).abs().amax(0)
+    assert bool((err <= 1e-9 * exact.abs().amax(0)).all())
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,6 +335,7 @@ DETERMINISTIC = [
     for h in (8, 16, 32, 64, 128)
     for d in (512, 576)
 ] + [(h, 1, 576, 160, dict(deterministic=True)) for h in (8, 32, 64)]
+DETERMINISTIC.append((16, 2, 576, 160, _row_tiling(16, 576, deterministic=True)))  # 2 kv groups
 # support.attention_indices patterns: padding of every kind, with and without duplicates.
 PADDINGS = ("mixed", "tail", "shuffled", "empty_rows", "out_of_range", "duplicates")
 

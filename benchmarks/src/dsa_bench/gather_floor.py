@@ -122,6 +122,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rep", type=common.positive_int, default=10)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
+    if args.tokens <= args.topk:
+        parser.error(f"--tokens {args.tokens} must exceed --topk {args.topk}")
     common.require_cuda("dsa_bench.gather_floor")
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)

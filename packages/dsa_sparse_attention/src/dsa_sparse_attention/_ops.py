@@ -119,7 +119,9 @@ def resolve_config(
         source = "cpu tensors: the torch reference"
         if config is not None:
             source += " (the caller's config applies to CUDA tensors only)"
-        return Lookup(TORCH_CONFIG, source, ())
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        return Lookup(dataclasses.replace(TORCH_CONFIG, deterministic=deterministic), source, ())
     return _table_lookup(
         device_arch(q.device),
         q.shape[2],
@@ -386,7 +388,7 @@ def sparse_attention(
             (:func:`resolve_config` tells which).
         deterministic: make the gradients bitwise reproducible (dq, dkv and dsink the same bits
             on every run and CUDA-graph replay; the backward then adds dkv in 64-bit fixed
-            point, about 1.8-2x its default time). ``None`` (default) follows
+            point, 1.5-2x its default time). ``None`` (default) follows
             ``torch.use_deterministic_algorithms``; a config with ``deterministic=True`` is
             deterministic either way.
         return_lse: also return the log-sum-exp.

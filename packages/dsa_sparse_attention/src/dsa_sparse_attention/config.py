@@ -1,5 +1,5 @@
 """SparseAttentionConfig and the measured table keyed by (arch, RoPE tail, TP-local heads,
-top-k bucket)."""
+top-k bucket, deterministic)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,14 @@ class SparseAttentionConfig:
         dkv_reduce: how the backward adds dKV rows: ``"tma"`` bulk reduce-adds staged in shared
             memory, or ``"atomic"`` atomics straight from registers.
         deterministic: make the backward bitwise reproducible: dq, dkv and dsink are the same
-            bits on every run and CUDA-graph replay for the same inputs (the TileLang backward
-            adds dkv in 64-bit fixed point instead of fp32; the torch backward runs under
-            ``torch.use_deterministic_algorithms``). The forward is deterministic either way.
-            The table rows say False; ``torch.use_deterministic_algorithms(True)`` turns it on
-            for every call (:func:`resolve_config`).
+            bits on every run for the same inputs, and on every CUDA-graph replay of the
+            TileLang backward (which then adds dkv in 64-bit fixed point instead of fp32; see
+            ``docs/dispatch.md``). The torch backward runs under
+            ``torch.use_deterministic_algorithms(True)`` for the call, a process-wide switch,
+            with that mode's requirements (older torch releases also want
+            ``CUBLAS_WORKSPACE_CONFIG`` set). The forward is deterministic either way. The
+            table has deterministic rows, which ``sparse_attention(..., deterministic=True)``
+            and ``torch.use_deterministic_algorithms(True)`` select (:func:`resolve_config`).
     """
 
     forward_backend: str = "tilelang"
@@ -108,7 +111,7 @@ _MEASURED = "backward measured H200 (sweep and dsa-bench, 16k tokens)"
 # default row's tiling) and 93.1 ms (64 heads; 119.2 with the default row's atomics). 16 and 32
 # heads follow them.
 _HOPPER_DETERMINISTIC = dataclasses.replace(_HOPPER_SMALL, split_store=4, deterministic=True)
-_MEASURED_DETERMINISTIC = "deterministic backward measured H200 at D=576 (sweep, 16k tokens)"
+_MEASURED_DETERMINISTIC = "deterministic backward measured H200 at 8 and 64 heads, D=576"
 
 # Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built on the
 # H200 (results/sparse_attention_forward_backends.csv: every model and TP size at 4k and 16k,

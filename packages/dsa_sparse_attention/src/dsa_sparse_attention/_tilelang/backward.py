@@ -22,10 +22,12 @@ written. Query heads are padded to the MMA row block (16, 32 or 64) with zero ro
 Deterministic mode (``deterministic=True``): fp32 reduce-adds land in L2 in whatever order the
 programs reach them, and fp32 addition is not associative, so dkv differs from run to run in its
 last bits. Integer addition is associative: in this mode every key-gradient value is converted to
-a 64-bit fixed-point integer (``round(x * 2**k)``) and added with ``.add.u64`` (bulk or atomic,
-two's complement), so the sum is the same bits in any order. ``2**k`` is chosen per call on the
-GPU from a bound on ``|dkv|`` (:func:`_fixed_point_scale`) so that no partial sum can overflow
-2**63 while the quantum stays ~2**-61 of the bound; the wrapper converts back through float64.
+a 64-bit fixed-point integer (``round(x * 2**k_d)``) and added with ``.add.u64`` (bulk or
+atomic, two's complement), so the sum is the same bits in any order. The scale ``2**k_d`` of
+each column d is chosen per call on the GPU from a bound on that column of ``|dkv|``
+(:func:`_fixed_point_scale`), so that no partial sum can overflow 2**63 while the quantum stays
+~2**-61 of the bound, and a column of large values (an outlier channel of q) does not coarsen
+the others; the wrapper converts back through float64.
 dq and dsink need nothing: each dq row is written by one program in a fixed order, and dsink is a
 torch reduction.
 
@@ -102,8 +104,15 @@ __device__ __forceinline__ void dsa_fence_proxy_async_shared() {
 }
 """
 
-_STAGE_PAD = 4  # fp32 words of padding per staging row: rows start on different banks
 _PREPROCESS_ROWS, _PREPROCESS_COLS = 32, 128  # the delta kernel's tile; d_v is whole tiles
+# Padding per staging row, 16 bytes (4 fp32 or 2 int64): consecutive rows start on different
+# banks, and every row start stays 16-byte aligned for the bulk copies.
+_STAGE_PAD_BYTES = 16
+
+
+def _acc_bytes(deterministic: bool) -> int:
+    """Bytes per dkv accumulator value: fp32, or int64 fixed point in deterministic mode."""
+    return 8 if deterministic else 4
 
 
 def head_block(heads_per_group: int) -> int:
@@ -144,8 +153,7 @@ def shared_memory_bytes(
     size += 2 * kib(2 * block_h * block_i)  # P and dS (bf16)
     if dkv_reduce == "tma":
         widest = max(w for _, w in slices)
-        # Staging of one dkv slice: fp32, or int64 fixed point in deterministic mode.
-        size += kib((8 if deterministic else 4) * block_i * (widest + _STAGE_PAD))
+        size += kib(block_i * (_acc_bytes(deterministic) * widest + _STAGE_PAD_BYTES))
     return size
 
 
@@ -312,8 +320,9 @@ def _build_main(
     indices and the same clamped into ``[0, S_kv)``), ``Lse2`` / ``Dot`` / ``Delta`` fp32
     ``[B, S, H]`` (log2 lse, ``rowsum(out * dout)``, the delta used for dS), outputs ``dQ`` bf16
     ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
-    deterministic mode) and ``DeltaFix`` fp32 ``[B, S, H]``, then ``Fix`` fp32 ``[1]`` (the
-    fixed-point scale ``2**k``; read only in deterministic mode) and ``sm_scale``.
+    deterministic mode) and ``DeltaFix`` fp32 ``[B, S, H]``, then ``Fix`` fp32 (the fixed-point
+    scale ``2**k_d`` of each column, ``[D]``, in deterministic mode; ``[1]`` and unread
+    otherwise) and ``sm_scale``.
     """
     hg = heads // groups
     block_h = head_block(hg)
@@ -323,7 +332,8 @@ def _build_main(
     n_blocks = topk_padded // bs
     slices = _column_slices(dim, d_v, split_store)
     value_slices = [c for c, (c0, _) in enumerate(slices) if c0 < d_v]
-    stage_w = max(w for _, w in slices) + _STAGE_PAD
+    stage_w = max(w for _, w in slices) + _STAGE_PAD_BYTES // _acc_bytes(deterministic)
+    fix_len = dim if deterministic else 1
     use_tma = dkv_reduce == "tma"
     acc_dtype = T.int64 if deterministic else T.float32  # dKV and the staging buffer
     has_tail = dim > d_v
@@ -457,7 +467,7 @@ def _build_main(
         for r, d in T.Parallel(bs, w):
             if deterministic:
                 e.stage[r, d] = T.call_extern(
-                    T.int64, "__float2ll_rn", e.acc_kv[c][r, d] * e.Fix[0]
+                    T.int64, "__float2ll_rn", e.acc_kv[c][r, d] * e.Fix[c0 + d]
                 )
             else:
                 e.stage[r, d] = e.acc_kv[c][r, d]
@@ -472,7 +482,7 @@ def _build_main(
                     "dsa_bulk_reduce_add_u64" if deterministic else "dsa_bulk_reduce_add_f32",
                     T.address_of(e.dKV[e.b, row, e.g, c0]),
                     T.address_of(e.stage[e.tx, 0]),
-                    w * (8 if deterministic else 4),
+                    w * _acc_bytes(deterministic),
                 )
             T.tma_store_arrive()
 
@@ -491,7 +501,7 @@ def _build_main(
                         "dsa_red_add_fixed",
                         T.address_of(e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d]),
                         e.acc_kv[c][r, d],
-                        e.Fix[0],
+                        e.Fix[c0 + d],
                     )
                 else:
                     T.atomic_add(
@@ -558,7 +568,7 @@ def _build_main(
         dQ: T.Tensor((batch, seq, heads, dim), T.bfloat16),
         dKV: T.Tensor((batch, seq_kv, groups, dim), acc_dtype),
         DeltaFix: T.Tensor((batch, seq, heads), T.float32),
-        Fix: T.Tensor((1,), T.float32),
+        Fix: T.Tensor((fix_len,), T.float32),
         sm_scale: T.float32,
     ):
         with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=_PRELUDE) as (
@@ -735,11 +745,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-# The fixed-point scale keeps every partial sum of dkv below 2**61 (int64 holds 2**63): 2 bits of
-# headroom for the bound's own rounding and that of the bf16 P / dS operands. Its exponent stays
-# where 2**k and 2**-k are normal fp32 numbers.
+# The fixed-point scale keeps every partial sum of a dkv column below 2**61 (int64 holds 2**63):
+# 2 bits of headroom for the rounding of the bound itself and of the bf16 P / dS operands. Its
+# exponent stays where 2**k and 2**-k are normal fp32 numbers. The bound reads q and dout in
+# steps of this many bytes of fp32 temporaries.
 _FIXED_POINT_BITS = 61
 _FIXED_POINT_MAX_EXP = 120
+_BOUND_STEP_BYTES = 1 << 28
 
 
 def _fixed_point_scale(
@@ -751,26 +763,34 @@ def _fixed_point_scale(
     sm_scale: float,
     d_v: int,
 ) -> torch.Tensor:
-    """``2**k`` (fp32 ``[1]``, computed on the GPU: no host sync) with ``bound * 2**k <= 2**61``
-    for a bound on every partial sum of dkv; NaN when the inputs are not finite (dkv is then NaN).
+    """fp32 ``[D]``: the scale ``2**k_d`` of each dkv column, with ``bound_d * 2**k_d <= 2**61``
+    for a bound on every partial sum of that column; computed on the GPU with deterministic
+    torch reductions (no host sync); all NaN when an input is not finite (dkv is then NaN).
 
-    Query row (t, h) adds ``sum_j P_j (dS_j q + P_j dout)`` to the keys it selects, with
-    ``sum_j P_j <= 1`` and ``|dS_j| <= P_j * sm_scale * (|dP_j| + |delta|)``, ``|dP_j| <= d_v *
-    max|dout_th| * max|v|``, ``|delta| <= |rowsum(out * dout)| + |dlse|``: so no value of dkv, nor
-    any partial sum of it, exceeds the sum over rows of ``sm_scale * (...) * max|q_th| +
-    max|dout_th|``. Twice that sum is the bound (margin for fp32 / bf16 rounding)."""
-    inf = float("inf")
-    q_max = torch.linalg.vector_norm(q, ord=inf, dim=-1).float()  # [B, S, H]
-    do_max = torch.linalg.vector_norm(dout, ord=inf, dim=-1).float()
-    v_max = torch.linalg.vector_norm(kv[..., :d_v], ord=inf).float()
-    slack = d_v * do_max * v_max + dot.abs()
+    Query row (t, h) adds ``sum_j (dS_j q_th + P_j dout_th)`` to the keys it selects, with
+    ``sum_j P_j <= 1`` (the sink takes the rest), ``|dS_j| <= P_j * sm_scale * slack_th`` and
+    ``slack_th = ||dout_th|| max_j ||v_j|| + |rowsum(out * dout)_th| + |dlse_th|`` (which bounds
+    ``|dP_j - delta|``). So no partial sum of column d exceeds ``sum_th sm_scale * slack_th *
+    |q_th,d| + |dout_th,d|``; twice that is the bound (margin for the bf16 norms and operands).
+    Per column, an outlier channel of q or dout coarsens only its own column."""
+    d = q.shape[-1]
+    v_norm = torch.linalg.vector_norm(kv[..., :d_v], dim=-1).amax().float()
+    slack = torch.linalg.vector_norm(dout, dim=-1).float() * v_norm + dot.abs()
     if dlse2 is not None:
         slack = slack + dlse2.abs() * LOG2E
-    bound = 2.0 * (sm_scale * slack * q_max + do_max).sum()
+    weight = (sm_scale * slack).reshape(-1, 1)  # one per query row (b, s, h)
+    q_rows, do_rows = q.reshape(-1, d), dout.reshape(-1, d_v)
+    bound = torch.zeros(d, dtype=torch.float32, device=q.device)
+    step = max(1, _BOUND_STEP_BYTES // (4 * d))
+    for r0 in range(0, q_rows.shape[0], step):
+        rows = slice(r0, r0 + step)
+        bound += (weight[rows] * q_rows[rows].abs().float()).sum(dim=0)
+        bound[:d_v] += do_rows[rows].abs().float().sum(dim=0)
+    bound *= 2.0
     exp = (_FIXED_POINT_BITS - torch.log2(bound).ceil()).clamp(
         -_FIXED_POINT_MAX_EXP, _FIXED_POINT_MAX_EXP
     )
-    return torch.where(torch.isfinite(bound), torch.exp2(exp), torch.nan).reshape(1)
+    return torch.where(torch.isfinite(bound).all(), torch.exp2(exp), torch.nan)
 
 
 def sparse_attention_backward_tilelang(
@@ -848,12 +868,12 @@ def sparse_attention_backward_tilelang(
     # d lse / d s_j = p_j, so the lse gradient folds into delta; lse2 = lse * log2(e), so the
     # natural-log lse receives dlse2 * log2(e).
     delta = dot - dlse2 * LOG2E if dlse2 is not None else dot
-    fix = (
-        _fixed_point_scale(q, kv, dout, dot, dlse2, sm_scale, d_v)
-        if deterministic
-        else torch.ones(1, device=q.device)  # unread
-    )
     if launch:
+        fix = (
+            _fixed_point_scale(q, kv, dout, dot, dlse2, sm_scale, d_v)
+            if deterministic
+            else torch.ones(1, device=q.device)  # unread
+        )
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
         kernels.main(
@@ -880,9 +900,9 @@ def sparse_attention_backward_tilelang(
         # p_sink = exp(sink - lse) per row; rows with lse = -inf (no key, no sink) add nothing.
         p_sink = torch.exp2(attn_sink.float() * LOG2E - lse2)
         dsink = -(delta * torch.where(torch.isneginf(lse2), 0.0, p_sink)).sum(dim=(0, 1))
-    if deterministic:
-        # The scale is a power of two: float64 keeps 53 bits of each sum (bf16 needs 8).
-        dkv = (dkv_acc.to(torch.float64) / fix.to(torch.float64)).to(torch.bfloat16)
+    if deterministic and launch:
+        # The scales are powers of two: float64 keeps 53 bits of each sum (bf16 needs 8).
+        dkv = dkv_acc.to(torch.float64).div_(fix.to(torch.float64)).to(torch.bfloat16)
     else:
-        dkv = dkv_acc.to(torch.bfloat16)
+        dkv = dkv_acc.to(torch.bfloat16)  # int64 zeros when nothing was launched
     return dq, dkv, dsink
