@@ -77,6 +77,10 @@ def test_config_validation():
         (dict(backward_dk_split=True), "IndexerConfig.backward_dk_split"),
         (dict(backward_key_window=-1), "IndexerConfig.backward_key_window"),
         (dict(backward_key_window=True), "IndexerConfig.backward_key_window"),
+        (dict(lightning_fused=1), "IndexerConfig.lightning_fused"),
+        (dict(fused_max_registers=16), "IndexerConfig.fused_max_registers"),
+        (dict(fused_max_registers=256), "IndexerConfig.fused_max_registers"),
+        (dict(fused_max_registers=True), "IndexerConfig.fused_max_registers"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -160,7 +164,7 @@ def test_opcheck():
     torch.library.opcheck(ops.indexer_topk_scores.default, (qq, kk, ww, idx, *fields))
     g = torch.randn(12, 5, generator=seeded_gen("grad"))
     torch.library.opcheck(ops.indexer_topk_scores_backward.default, (g, q, k, w, idx, *fields))
-    block = _block_rows("test", q.shape[0], k.shape[0], 4 * k.shape[0] * 5)
+    block = _block_rows("test", q.shape[0], k.shape[0], 0, 4 * k.shape[0] * 5)
     torch.library.opcheck(ops.lightning_indices.default, (q, k, w, s, e, 4, block, *fields))
 
 

@@ -28,8 +28,10 @@ variants (pipeline stages, ``backward_rotate``, ``backward_dk_split``) per head 
 causal, 16k packed8 and 4k causal, and prints the best per head count. ``--window-sweep`` times
 the backward in one pass and in passes of ``backward_key_window`` keys on long inputs.
 ``--lightning`` times ``lightning_indexer`` end to end (forward, forward+backward, peak memory)
-with the default logits budget and with the whole logits, causal and packed8 at every length
-and a context-parallel shard (16k queries, 128k keys): ``indexer_lightning.csv`` / ``.png``.
+on the two passes and the fused logits -> top-k kernel at the default budget and with the whole
+logits, causal and packed8 at every length and a context-parallel shard (16k queries, 128k
+keys): ``indexer_lightning.csv`` / ``.png``. ``--fused-sweep`` times the fused kernel against
+the two passes per head count (16k and 64k causal).
 """
 
 from __future__ import annotations
@@ -399,16 +401,26 @@ LIGHTNING_COLUMNS = [
     common.Column("layout"),
     common.Column("T"),
     common.Column("T_kv"),
-    common.Column("budget"),
+    common.Column("path"),
     common.Column("block_rows"),
     common.Column("fwd_ms", fmt="{:.2f}"),
     common.Column("fwd_bwd_ms", fmt="{:.2f}"),
     common.Column("logits_tflops", fmt="{:.0f}"),
-    common.Column("logits_block_gib", fmt="{:.2f}"),
+    common.Column("block_gib", fmt="{:.2f}"),
     common.Column("fwd_peak_gib", fmt="{:.2f}"),
+    common.Column("fwd_work_gib", fmt="{:.2f}"),
     common.Column("peak_extra_gib", fmt="{:.2f}"),
     common.Column("same_indices"),
 ]
+
+# (name, lightning_fused, fused_max_registers, budget: None = the default, 0 = the whole
+# logits) of --lightning; "whole" only where the default budget splits the input.
+LIGHTNING_PATHS = (
+    ("two-pass", False, 0, None),
+    ("fused", True, 0, None),
+    ("fused-r168", True, 168, None),
+    ("whole", False, 0, 0),
+)
 
 
 def _lightning_cases():
@@ -419,40 +431,55 @@ def _lightning_cases():
     return cases
 
 
-def _memory(forward, grad, leaves) -> tuple[int, int]:
-    """Peak bytes above the inputs during the forward, and over the forward+backward (which
-    also holds the outputs, the upstream gradient and the input gradients)."""
+def _memory(forward, grad, leaves) -> tuple[int, int, int]:
+    """Peak bytes above the inputs during the forward, the same less the outputs (scores and
+    indices: the working memory), and the peak over the forward+backward (which also holds the
+    outputs, the upstream gradient and the input gradients)."""
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    scores, _indices = forward()
+    scores, indices = forward()
     torch.cuda.synchronize()
     fwd_peak = torch.cuda.max_memory_allocated() - base
+    outputs = scores.untyped_storage().nbytes() + indices.untyped_storage().nbytes()
     torch.autograd.backward(scores, torch.where(torch.isfinite(scores), grad, 0.0))
     torch.cuda.synchronize()
     for x in leaves:
         x.grad = None
-    return fwd_peak, torch.cuda.max_memory_allocated() - base
+    return fwd_peak, fwd_peak - outputs, torch.cuda.max_memory_allocated() - base
+
+
+def _lightning_inputs(layout, t, t_kv, seq_len, offset, heads=HEADS):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, heads, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
+    k = torch.randn(t_kv, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(t, heads, device="cuda", generator=g) / heads**0.5).requires_grad_()
+    n_seq = LAYOUTS.get(layout, 1)
+    cu = torch.arange(0, seq_len + 1, seq_len // n_seq, device="cuda", dtype=torch.int32)
+    starts, ends = causal_ranges(cu, t, query_offset=offset)
+    return q, k, w, starts, ends, g
 
 
 def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
     from dsa_indexer import lightning_indexer
-    from dsa_indexer._ops import DEFAULT_LOGITS_BUDGET, _block_rows
+    from dsa_indexer._ops import DEFAULT_LOGITS_BUDGET, _block_rows, _fused_slots
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(t, HEADS, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
-    k = torch.randn(t_kv, DIM, device="cuda", generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(t, HEADS, device="cuda", generator=g) / HEADS**0.5).requires_grad_()
-    n_seq = LAYOUTS.get(layout, 1)
-    cu = torch.arange(0, seq_len + 1, seq_len // n_seq, device="cuda", dtype=torch.int32)
-    starts, ends = causal_ranges(cu, t, query_offset=offset)
+    q, k, w, starts, ends, g = _lightning_inputs(layout, t, t_kv, seq_len, offset)
     pairs = int((ends - starts).clamp(min=0).sum())
     grad = torch.randn(t, TOPK, device="cuda", generator=g)
+    table = table_config(HEADS).config
     picked = None
-    budgets = (("1GiB", DEFAULT_LOGITS_BUDGET), ("2GiB", 2 * DEFAULT_LOGITS_BUDGET))
-    for budget_name, budget in (*budgets, ("whole", 4 * t * t_kv)):
+    for name, fused, regs, budget in LIGHTNING_PATHS:
+        cfg = dataclasses.replace(table, lightning_fused=fused, fused_max_registers=regs)
+        slots = _fused_slots(cfg, TOPK)
+        budget = DEFAULT_LOGITS_BUDGET if budget is None else budget or 4 * t * t_kv
+        block_rows = min(t, _block_rows("bench", t, t_kv, slots, budget))
+        if name == "whole" and t <= _block_rows("bench", t, t_kv, 0, DEFAULT_LOGITS_BUDGET):
+            continue  # the default budget already holds the whole logits
 
-        def forward(budget=budget):
-            return lightning_indexer(q, k, w, starts, ends, TOPK, logits_budget_bytes=budget)
+        def forward(budget=budget, cfg=cfg):
+            return lightning_indexer(
+                q, k, w, starts, ends, TOPK, logits_budget_bytes=budget, config=cfg
+            )
 
         def forward_backward(forward=forward):
             scores, _ = forward()
@@ -462,7 +489,7 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
-        fwd_peak, peak = _memory(forward, grad, (q, k, w))
+        fwd_peak, fwd_work, peak = _memory(forward, grad, (q, k, w))
         with torch.no_grad():
             indices = forward()[1]
         fwd = common.time_ms(forward, **reps(t))
@@ -471,13 +498,14 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
             "layout": layout,
             "T": t,
             "T_kv": t_kv,
-            "budget": budget_name,
-            "block_rows": min(t, _block_rows("bench", t, t_kv, budget)),
+            "path": name,
+            "block_rows": block_rows,
             "fwd_ms": fwd,
             "fwd_bwd_ms": fb,
             "logits_tflops": 2.0 * HEADS * DIM * pairs / fwd / 1e9,
-            "logits_block_gib": 4 * min(t, _block_rows("bench", t, t_kv, budget)) * t_kv / 2**30,
+            "block_gib": block_rows * _ops_row_bytes(t_kv, slots) / 2**30,
             "fwd_peak_gib": fwd_peak / 2**30,
+            "fwd_work_gib": fwd_work / 2**30,
             "peak_extra_gib": peak / 2**30,
         }
         if picked is None:
@@ -489,14 +517,23 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
         print(common.named(row, [c.key for c in LIGHTNING_COLUMNS]), flush=True)
 
 
+def _ops_row_bytes(t_kv, slots):
+    from dsa_indexer._ops import _row_bytes
+
+    return _row_bytes(t_kv, slots)[0]
+
+
 def lightning(out: Path):
-    """``lightning_indexer`` forward and forward+backward (topk 2048) at three logits budgets:
-    the default 1 GiB, 2 GiB, and one block of all rows (the whole logits, as before the budget
-    existed). Time, logits TFLOP/s over in-range pairs, and memory: the budget's rows and bytes
-    (``block_rows`` / ``logits_block_gib``; past one block they run as two half blocks on two
-    streams), the peak above the inputs during the forward and over forward+backward
-    (:func:`_memory`; at 128k the scores and indices are 2 GiB, the upstream gradient and dq
-    1 GiB each). Every budget's indices are checked equal to the default budget's."""
+    """``lightning_indexer`` forward and forward+backward (topk 2048, the 32-head table row) on
+    each path (``LIGHTNING_PATHS``): the two passes (logits blocks, then ``ranged_topk``) and the
+    fused logits -> top-k kernel (with and without a register cap) at the default 1 GiB budget,
+    and the two passes over the whole logits (as before the budget existed). Time, logits
+    TFLOP/s over in-range pairs, and memory: the block's rows and bytes (``block_rows`` /
+    ``block_gib``; past one block they run as two half blocks on two streams), the forward's
+    peak above the inputs, the same less the outputs (``fwd_work_gib``: the scores and indices
+    are 2 GiB at 128k), and the peak over forward+backward (:func:`_memory`; it also holds the
+    upstream gradient and dq, 1 GiB each at 128k). Every path's indices are checked equal to
+    the first's."""
     rows = []
     for case in _lightning_cases():
         _lightning_case(*case, rows)
@@ -504,25 +541,78 @@ def lightning(out: Path):
         torch.cuda.empty_cache()
     print(f"\nwrote {common.write_csv(rows, out / 'indexer_lightning.csv')}")
     try:
-        labels = [f"{r['layout']}\n{r['T'] // 1024}k {r['budget']}" for r in rows]
+        labels = [f"{r['layout']}\n{r['T'] // 1024}k {r['path']}" for r in rows]
         path = common.bar_plot(
             out / "indexer_lightning.png",
             labels,
             [
                 ("fwd ms", [r["fwd_ms"] for r in rows]),
                 ("fwd+bwd ms", [r["fwd_bwd_ms"] for r in rows]),
-                ("forward peak GiB", [r["fwd_peak_gib"] for r in rows]),
+                ("forward work GiB", [r["fwd_work_gib"] for r in rows]),
             ],
             ylabel="ms / GiB",
-            title="lightning_indexer (32 heads x 128, topk 2048): logits budgets",
+            title="lightning_indexer (32 heads x 128, topk 2048): two passes vs fused",
             figsize=(max(8, len(rows) * 0.55), 4.5),
             label_fontsize=6,
         )
         print(f"wrote {path}")
     except ImportError:
         print("matplotlib missing: no PNG")
-    print("bars: extra <= 2 GiB at 128k, <= 1.5 GiB at 64k; fwd+bwd no slower than before")
+    print("bars: extra <= 2 GiB at 128k, <= 1.5 GiB at 64k; fwd+bwd no slower than before;")
+    print("      fused forward <= 0.7x the two passes at 64k / 128k, >= 400 logits TFLOP/s")
     common.print_table(rows, LIGHTNING_COLUMNS)
+
+
+FUSED_SWEEP_COLUMNS = [
+    common.Column("heads"),
+    common.Column("T"),
+    common.Column("path"),
+    common.Column("indices_ms", fmt="{:.2f}"),
+    common.Column("x_two_pass", fmt="{:.3f}"),
+    common.Column("same_indices"),
+]
+
+
+def _fused_sweep_case(heads, t, rows):
+    from dsa_indexer import lightning_indexer
+
+    table = table_config(heads).config
+    q, k, w, starts, ends, _g = _lightning_inputs("causal", t, t, t, 0, heads)
+    base = None
+    for name, fused, regs, _budget in LIGHTNING_PATHS[:3]:
+        cfg = dataclasses.replace(table, lightning_fused=fused, fused_max_registers=regs)
+
+        def forward(cfg=cfg):
+            with torch.no_grad():
+                return lightning_indexer(q, k, w, starts, ends, TOPK, config=cfg)[1]
+
+        indices = forward()
+        ms = common.time_ms(forward, **reps(t))
+        if base is None:
+            base = (ms, indices)
+        row = {
+            "heads": heads,
+            "T": t,
+            "path": name,
+            "indices_ms": ms,
+            "x_two_pass": ms / base[0],
+            "same_indices": bool(torch.equal(indices, base[1])),
+        }
+        rows.append(row)
+        print(common.named(row, [c.key for c in FUSED_SWEEP_COLUMNS]), flush=True)
+
+
+def fused_sweep():
+    """Per head count's table row, causal 16k and 64k, topk 2048: the forward's indices
+    (``lightning_indexer`` under no_grad, scores included) on the two passes and on the fused
+    kernel with and without a register cap, each against the two passes."""
+    rows = []
+    for heads in (8, 16, 32, 64):
+        for t in (16384, 65536):
+            _fused_sweep_case(heads, t, rows)
+            gc.collect()
+            torch.cuda.empty_cache()
+    common.print_table(rows, FUSED_SWEEP_COLUMNS)
 
 
 def main(argv=None):
@@ -553,6 +643,11 @@ def main(argv=None):
         help="time lightning_indexer (bounded logits budget vs whole logits) and its memory",
     )
     modes.add_argument(
+        "--fused-sweep",
+        action="store_true",
+        help="time the fused logits -> top-k kernel against the two passes per head count",
+    )
+    modes.add_argument(
         "--plot", type=Path, metavar="CSV", help="only redraw indexer.png from a results CSV"
     )
     args = parser.parse_args(argv)
@@ -572,6 +667,9 @@ def main(argv=None):
         return
     if args.lightning:
         lightning(args.out)
+        return
+    if args.fused_sweep:
+        fused_sweep()
         return
     lookup = table_config(HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")

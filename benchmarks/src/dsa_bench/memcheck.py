@@ -5,14 +5,18 @@ tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a si
 that is not a block multiple. Each case runs the public ``sparse_attention`` (forward and
 backward, the table's row for its shape, then its deterministic row) and
 ``sparse_attention_probs`` on the same indices;
-then ``lightning_indexer`` in several logits blocks (forward, backward) and ``indexer_kl_loss``
+then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
+logits -> top-k kernel) and ``indexer_kl_loss``
 (forward, backward) on its scores. Run on the GPU host:
 
     compute-sanitizer --tool memcheck python -m dsa_bench.memcheck
 """
 
+import dataclasses
+
 import torch
-from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer
+from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer, resolve_config
+from dsa_indexer._triton.logits_topk import list_slots
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
 
 from dsa_bench import common
@@ -55,21 +59,27 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"  target finite={bool(torch.isfinite(target).all())}")
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
-    # then the KL loss.
+    # then the KL loss; with the two passes and with the fused logits -> top-k kernel (whose
+    # lists of 128 entries compact many times over ranges up to 170 keys).
     t, heads, d, topk = 300, 32, 128, 64
     cu = torch.tensor([0, 1, 130, 300], device="cuda", dtype=torch.int32)
     starts, ends = causal_ranges(cu, t)
     iq = torch.randn(t, heads, d, device="cuda", generator=gen).bfloat16().requires_grad_()
     ik = torch.randn(t, d, device="cuda", generator=gen).bfloat16().requires_grad_()
     iw = torch.randn(t, heads, device="cuda", generator=gen).requires_grad_()
-    scores, indices = lightning_indexer(
-        iq, ik, iw, starts, ends, topk, logits_budget_bytes=64 * t * 4
-    )
-    loss = indexer_kl_loss(scores, torch.rand(t, topk, device="cuda", generator=gen))
-    loss.backward()
-    torch.cuda.synchronize()
-    print(f"indexer: {int((indices >= 0).sum())} selected, kl {float(loss):.4f}, dq finite="
-          f"{bool(torch.isfinite(iq.grad.float()).all())}")  # fmt: skip
+    table = resolve_config(iq).config
+    for fused in (False, True):
+        cfg = dataclasses.replace(table, lightning_fused=fused)
+        budget = 64 * (8 * list_slots(topk, cfg.logits_block_n) + 4 if fused else 4 * t)
+        scores, indices = lightning_indexer(
+            iq, ik, iw, starts, ends, topk, logits_budget_bytes=budget, config=cfg
+        )
+        loss = indexer_kl_loss(scores, torch.rand(t, topk, device="cuda", generator=gen))
+        loss.backward()
+        torch.cuda.synchronize()
+        print(f"indexer fused={fused}: {int((indices >= 0).sum())} selected, kl {float(loss):.4f},"
+              f" dq finite={bool(torch.isfinite(iq.grad.float()).all())}")  # fmt: skip
+        iq.grad = ik.grad = iw.grad = None
 
 
 if __name__ == "__main__":

@@ -248,24 +248,40 @@ def indexer_topk_scores(
 
 
 DEFAULT_LOGITS_BUDGET = 1 << 30
-"""Bytes of fp32 logits :func:`lightning_indexer` holds at once by default (1 GiB: 2048 query
-rows of 131072 keys; shorter inputs fit whole)."""
+"""Bytes of working memory :func:`lightning_indexer` holds at once by default (1 GiB: 2048 query
+rows of fp32 logits at 131072 keys, or 32768 rows of fused top-k candidate lists at topk 2048;
+shorter inputs fit whole)."""
 
 # Query blocks are whole multiples of this many rows (when larger than it), so that a block
 # boundary never splits a group of queries that a logits program computes together.
 _BLOCK_ALIGN = 64
 
 
-def _block_rows(op: str, t_q: int, t_kv: int, budget: int) -> int:
-    """Query rows per logits block for a budget of ``budget`` bytes (fp32 logits); all rows
-    when there are no keys (no logits at all)."""
+def _fused_slots(cfg: IndexerConfig, topk: int) -> int:
+    """Entries per query of the fused kernel's candidate list, 0 where the two passes run."""
+    if cfg.backend != "triton" or not cfg.lightning_fused:
+        return 0
+    from dsa_indexer._triton.logits_topk import list_slots
+
+    return list_slots(topk, cfg.logits_block_n)
+
+
+def _row_bytes(t_kv: int, slots: int) -> tuple[int, str]:
+    """Working bytes per query row, and what they hold (for the budget's error message)."""
+    if slots:
+        return 8 * slots + 4, f"top-k candidates (8 * {slots} + 4 = {8 * slots + 4} bytes)"
+    return 4 * t_kv, f"logits (4 * T_kv = {4 * t_kv} bytes)"
+
+
+def _block_rows(op: str, t_q: int, t_kv: int, slots: int, budget: int) -> int:
+    """Query rows per block for a budget of ``budget`` bytes of logits or candidate lists; all
+    rows when there are no keys (nothing to select from)."""
     if t_kv == 0:
         return max(t_q, 1)
-    row = 4 * t_kv
+    row, what = _row_bytes(t_kv, slots)
     if budget < row:
         raise ValueError(
-            f"{op}: logits_budget_bytes={budget} is below one row of logits "
-            f"(4 * T_kv = {row} bytes); pass at least {row}"
+            f"{op}: logits_budget_bytes={budget} is below one row of {what}; pass at least {row}"
         )
     rows = budget // row
     return rows if rows < _BLOCK_ALIGN else rows // _BLOCK_ALIGN * _BLOCK_ALIGN
@@ -305,30 +321,48 @@ def _lightning_indices_impl(
             indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
         return indices
     rows = (q, k, weights, starts, ends)
-    if t_q <= block_rows or block_rows < 2:
-        # One stream (a single block, or blocks of one row that cannot be halved).
-        buffer = q.new_empty((min(t_q, block_rows), k.shape[0]), dtype=torch.float32)
+    slots = _fused_slots(cfg, topk)
+    if t_q <= block_rows or block_rows < 2 or q.device.type != "cuda":
+        # One stream (a single block, blocks of one row that cannot be halved, or the Triton
+        # interpreter on CPU tensors).
+        buffer = _work_buffer(q, k, min(t_q, block_rows), slots)
         for r0 in range(0, t_q, block_rows):
-            _logits_topk_block(indices, rows, r0, min(t_q, r0 + block_rows), buffer, topk, cfg)
+            _topk_block(indices, rows, r0, min(t_q, r0 + block_rows), buffer, cfg)
         return indices
-    _blocks_on_lanes(indices, rows, block_rows, topk, cfg)
+    _blocks_on_lanes(indices, rows, block_rows, slots, cfg)
     return indices
 
 
-def _logits_topk_block(indices, rows, r0, r1, buffer, topk, cfg) -> None:
-    """Rows [r0, r1): their logits into ``buffer`` (unclean: the top-k reads only each row's
-    range), then their top-k into ``indices``, on the current stream."""
+def _work_buffer(q, k, rows: int, slots: int) -> tuple[torch.Tensor, ...]:
+    """A block's working memory: fp32 logits ``[rows, T_kv]``, or the fused kernel's candidate
+    lists (int64 ``[rows, slots]``) and their lengths (int32 ``[rows]``)."""
+    if slots:
+        return (
+            q.new_empty((rows, slots), dtype=torch.int64),
+            q.new_empty((rows,), dtype=torch.int32),
+        )
+    return (q.new_empty((rows, k.shape[0]), dtype=torch.float32),)
+
+
+def _topk_block(indices, rows, r0, r1, buffer, cfg) -> None:
+    """Rows [r0, r1): their top-k into ``indices`` on the current stream, either by the fused
+    kernel (``buffer`` holds lists) or as logits into ``buffer`` (unclean: the top-k reads only
+    each row's range) and then ``ranged_topk``."""
+    q, k, weights, starts, ends = rows
+    part = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
+    if len(buffer) == 2:
+        from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
+
+        indexer_logits_topk_into(indices[r0:r1], *buffer, *part, config=cfg)
+        return
     from dsa_indexer._triton.logits import indexer_logits_into
 
-    q, k, weights, starts, ends = rows
-    logits = buffer[: r1 - r0]
-    indexer_logits_into(
-        logits, q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1], False, config=cfg
-    )
-    indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
+    logits = buffer[0][: r1 - r0]
+    indexer_logits_into(logits, *part, False, config=cfg)
+    indices[r0:r1] = ranged_topk(logits, indices.shape[1], starts[r0:r1], ends[r0:r1])
 
 
-def _blocks_on_lanes(indices, rows, block_rows, topk, cfg) -> None:
+def _blocks_on_lanes(indices, rows, block_rows, slots, cfg) -> None:
     """The blocks of an input longer than one block, alternating between two streams with a
     buffer of half the budget each. A block's logits grid alone is under two waves (2048 rows
     at 128k keys are 512 programs), so on one stream each block ends with a partly idle GPU;
@@ -339,14 +373,12 @@ def _blocks_on_lanes(indices, rows, block_rows, topk, cfg) -> None:
     half = half if half < _BLOCK_ALIGN else half // _BLOCK_ALIGN * _BLOCK_ALIGN
     main = torch.cuda.current_stream(q.device)
     lanes = _lanes(q.device)
-    buffers = [q.new_empty((half, k.shape[0]), dtype=torch.float32) for _ in lanes]
+    buffers = [_work_buffer(q, k, half, slots) for _ in lanes]
     for lane in lanes:
         lane.wait_stream(main)
     for i, r0 in enumerate(range(0, q.shape[0], half)):
         with torch.cuda.stream(lanes[i % 2]):
-            _logits_topk_block(
-                indices, rows, r0, min(q.shape[0], r0 + half), buffers[i % 2], topk, cfg
-            )
+            _topk_block(indices, rows, r0, min(q.shape[0], r0 + half), buffers[i % 2], cfg)
     for lane in lanes:
         main.wait_stream(lane)
     # The buffers were allocated on the caller's stream, which has waited for both lanes: they
@@ -380,12 +412,16 @@ def lightning_indexer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer logits -> exact ranged top-k -> differentiable scores, in bounded memory.
 
-    Arguments as in :func:`indexer_logits`; ``topk >= 1``. The logits are computed and reduced
-    to their top-k in blocks of query rows (on CUDA, past one block, two half-size blocks are in
-    flight on two streams), so at most ``logits_budget_bytes`` of fp32 logits exist at once
-    (default 1 GiB; at least one row, ``4 * T_kv`` bytes), never the whole ``[T, T_kv]``: the
-    extra memory does not grow with ``T * T_kv``. The indices are the
-    same as those of one pass over the whole logits. No host synchronisation (CUDA graphs and
+    Arguments as in :func:`indexer_logits`; ``topk >= 1``. The logits are reduced to their
+    top-k in blocks of query rows (on CUDA, past one block, two half-size blocks are in flight
+    on two streams), so at most ``logits_budget_bytes`` of working memory exist at once (default
+    1 GiB), never the whole ``[T, T_kv]`` logits: the extra memory does not grow with
+    ``T * T_kv``. A block's working memory is either its fp32 logits (``4 * T_kv`` bytes a row),
+    which ``ranged_topk`` then reduces, or, where the config sets ``lightning_fused``, the
+    candidate lists of the fused logits -> top-k kernel (``8 * slots + 4`` bytes a row, 32 KB at
+    topk 2048, independent of ``T_kv``), which never stores the logits. The budget must hold
+    one row (a ``ValueError`` says how many bytes). Either way the indices are bit for bit those
+    of one pass over the whole logits. No host synchronisation (CUDA graphs and
     ``torch.compile`` see one op).
 
     Returns ``(scores, indices)``: float32 ``[T, topk]`` (differentiable w.r.t. q, k, weights;
@@ -398,7 +434,9 @@ def lightning_indexer(
     _check_ranges(op, q, starts, ends)
     check_int(op, "topk", topk, minimum=1)
     check_int(op, "logits_budget_bytes", logits_budget_bytes, minimum=1)
-    block_rows = _block_rows(op, q.shape[0], k.shape[0], logits_budget_bytes)
-    fields = _config_fields(q, config)
+    lookup = resolve_config(q, config)
+    slots = _fused_slots(lookup.config, topk)
+    block_rows = _block_rows(op, q.shape[0], k.shape[0], slots, logits_budget_bytes)
+    fields = config_fields(lookup.config)
     indices = _lightning_indices_op(q, k, weights, starts, ends, topk, block_rows, *fields)
     return _topk_scores_op(q, k, weights, indices, *fields), indices

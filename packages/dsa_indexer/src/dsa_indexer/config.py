@@ -43,6 +43,13 @@ class IndexerConfig:
         backward_key_window: 0, or the keys per pass of the backward: with more keys than
             this, it runs one pass per window of keys, so that each pass's fp32 dk scratch
             and key rows stay in L2 (see ``topk_scores_backward_into``).
+        lightning_fused: :func:`lightning_indexer` selects the top-k inside the logits kernel
+            (a candidate list per query, the logits never stored; same indices bit for bit)
+            instead of writing each block's logits and running ``ranged_topk`` on them. Used
+            where a list fits (``topk + logits_block_n <= 8192``), else the two passes run.
+        fused_max_registers: 0, or a register cap per thread for the fused kernel (``maxnreg``):
+            its list handling needs more registers than the logits loop, and a cap keeps as
+            many CTAs per SM as the logits kernel has, spilling only in the rare list code.
     """
 
     backend: str = "triton"
@@ -59,6 +66,8 @@ class IndexerConfig:
     backward_rotate: bool = False
     backward_dk_split: int = 1
     backward_key_window: int = 0
+    lightning_fused: bool = False
+    fused_max_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -92,6 +101,15 @@ class IndexerConfig:
             raise ValueError(
                 f"IndexerConfig.backward_dk_split must be one of {_DK_SPLITS},"
                 f" got {self.backward_dk_split!r}"
+            )
+        if not isinstance(self.lightning_fused, bool):
+            raise ValueError(
+                f"IndexerConfig.lightning_fused must be a bool, got {self.lightning_fused!r}"
+            )
+        cap = self.fused_max_registers
+        if isinstance(cap, bool) or not isinstance(cap, int) or not (cap == 0 or 24 <= cap <= 255):
+            raise ValueError(
+                f"IndexerConfig.fused_max_registers must be 0 or an int in [24, 255], got {cap!r}"
             )
         window = self.backward_key_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:

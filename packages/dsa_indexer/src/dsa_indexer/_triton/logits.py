@@ -23,6 +23,90 @@ _FILL_ELEMENTS = 4096
 
 
 @triton.jit
+def _query_block(
+    q_ptr,
+    w_ptr,
+    starts_ptr,
+    ends_ptr,
+    T,
+    T_kv,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """This program's ``BLOCK_M`` queries: the first one, their rows, clamped ranges, the union
+    ``[lo, hi)`` of the non-empty ones, and the (query, head) operand ``qt``
+    ``[D, BLOCK_M * HP]`` with its weights ``wb``, loaded once and kept for every key tile."""
+    # Causal (and packed, CP-shifted or compressed) ranges grow with the query index, so
+    # launching the last query block first runs the longest programs first and leaves the
+    # short ones to fill the tail of the grid.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    t0 = pid * BLOCK_M
+
+    offs_m = t0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    st = tl.load(starts_ptr + offs_m, mask=row_ok, other=0)
+    en = tl.load(ends_ptr + offs_m, mask=row_ok, other=0)
+    st = tl.maximum(st, 0)
+    en = tl.minimum(en, T_kv)
+    # Empty rows (and rows past T) must not widen the union.
+    live = row_ok & (st < en)
+    lo = tl.min(tl.where(live, st, T_kv), axis=0)
+    hi = tl.max(tl.where(live, en, 0), axis=0)
+
+    r = tl.arange(0, BLOCK_M * HP)
+    r_t = t0 + r // HP
+    r_h = r % HP
+    r_ok = (r_t < T) & (r_h < H)
+    offs_d = tl.arange(0, D)
+    q_rows = q_ptr + (r_t.to(tl.int64) * H + r_h) * D
+    qb = tl.load(q_rows[:, None] + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+    wb = tl.load(w_ptr + r_t.to(tl.int64) * H + r_h, mask=r_ok, other=0.0)
+    if DOT_FP32:
+        # The interpreter has no bf16 matmul (see _common.interpreted).
+        qb = qb.to(tl.float32)
+    return t0, offs_m, row_ok, st, en, lo, hi, tl.trans(qb), wb
+
+
+@triton.jit
+def _logits_tile(
+    k_ptr,
+    stride_k,
+    s0,
+    hi,
+    st,
+    en,
+    qt,
+    wb,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Keys ``offs_n = s0 + [0, BLOCK_N)`` (``col_ok``: below ``hi``) and the logits of the
+    block's queries against them, ``[BLOCK_N, BLOCK_M]``, -inf outside each query's range.
+    Both kernels below take their logits from here, so they compute the same values."""
+    offs_n = s0 + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < hi
+    offs_d = tl.arange(0, D)
+    kb = tl.load(
+        k_ptr + offs_n.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        kb = kb.to(tl.float32)
+    s = tl.dot(kb, qt)  # [BLOCK_N, BLOCK_M * HP], fp32 accumulation
+    s = tl.maximum(s, 0.0) * wb[None, :]
+    logits = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
+    inside = (offs_n[:, None] >= st[None, :]) & (offs_n[:, None] < en[None, :])
+    return offs_n, col_ok, tl.where(inside, logits, float("-inf"))
+
+
+@triton.jit
 def _indexer_logits_kernel(
     q_ptr,
     k_ptr,
@@ -42,22 +126,9 @@ def _indexer_logits_kernel(
     CLEAN: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    # Causal (and packed, CP-shifted or compressed) ranges grow with the query index, so
-    # launching the last query block first runs the longest programs first and leaves the
-    # short ones to fill the tail of the grid.
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    t0 = pid * BLOCK_M
-
-    offs_m = t0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T
-    st = tl.load(starts_ptr + offs_m, mask=row_ok, other=0)
-    en = tl.load(ends_ptr + offs_m, mask=row_ok, other=0)
-    st = tl.maximum(st, 0)
-    en = tl.minimum(en, T_kv)
-    # Empty rows (and rows past T) must not widen the union.
-    live = row_ok & (st < en)
-    lo = tl.min(tl.where(live, st, T_kv), axis=0)
-    hi = tl.max(tl.where(live, en, 0), axis=0)
+    _t0, offs_m, row_ok, st, en, lo, hi, qt, wb = _query_block(
+        q_ptr, w_ptr, starts_ptr, ends_ptr, T, T_kv, H, D, HP, BLOCK_M, DOT_FP32
+    )
     out_rows = out_ptr + offs_m.to(tl.int64) * T_kv  # T * T_kv exceeds 2^31
 
     if CLEAN:
@@ -79,35 +150,10 @@ def _indexer_logits_kernel(
                 mask=row_ok[:, None] & (cols < T_kv)[None, :],
             )
 
-    # The (query, head) rows of this block, loaded once and kept for every key tile.
-    r = tl.arange(0, BLOCK_M * HP)
-    r_t = t0 + r // HP
-    r_h = r % HP
-    r_ok = (r_t < T) & (r_h < H)
-    offs_d = tl.arange(0, D)
-    q_rows = q_ptr + (r_t.to(tl.int64) * H + r_h) * D
-    qb = tl.load(q_rows[:, None] + offs_d[None, :], mask=r_ok[:, None], other=0.0)
-    wb = tl.load(w_ptr + r_t.to(tl.int64) * H + r_h, mask=r_ok, other=0.0)
-    if DOT_FP32:
-        # The interpreter has no bf16 matmul (see _common.interpreted).
-        qb = qb.to(tl.float32)
-    qt = tl.trans(qb)
-
     for s0 in range(lo, hi, BLOCK_N):
-        offs_n = s0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        kb = tl.load(
-            k_ptr + offs_n.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-            mask=col_ok[:, None],
-            other=0.0,
+        offs_n, col_ok, logits = _logits_tile(
+            k_ptr, stride_k, s0, hi, st, en, qt, wb, D, HP, BLOCK_M, BLOCK_N, DOT_FP32
         )
-        if DOT_FP32:
-            kb = kb.to(tl.float32)
-        s = tl.dot(kb, qt)  # [BLOCK_N, BLOCK_M * HP], fp32 accumulation
-        s = tl.maximum(s, 0.0) * wb[None, :]
-        logits = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
-        inside = (offs_n[:, None] >= st[None, :]) & (offs_n[:, None] < en[None, :])
-        logits = tl.where(inside, logits, float("-inf"))
         tl.store(
             out_rows[None, :] + offs_n[:, None],
             logits,

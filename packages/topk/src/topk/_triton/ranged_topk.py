@@ -397,17 +397,10 @@ def _list_keys(list_ptr, j, n_cand):
 
 
 @triton.jit
-def _resolve_list(
-    list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST: tl.constexpr, EMIT: tl.constexpr
-):
-    """Exact T and r from the list (every element >= t_lo, in column order); write the row.
-
-    The list holds every element >= t_lo, so T is found from it alone whatever t_hi turns
-    out to be; t_hi only shortens the search. The search holds the list's keys in registers
-    (one 1-D tile); the output is then written from the list again in blocks of ``EMIT``
-    (L1 / L2 hits), so that the ranks and the scattered store never need the whole list live.
-    """
-    keys, _cols = _list_keys(list_ptr, tl.arange(0, LIST), n_cand)
+def _list_threshold(keys, n_cand, t_lo, t_hi, k_eff, k):
+    """``(T, r)`` of the k_eff largest of ``keys`` (a 1-D tile holding every element >= t_lo,
+    ``n_cand`` of them, ``_NONE`` elsewhere); ``t_hi`` (``_KINF`` if unknown) only shortens the
+    search. Also used by the indexer's fused logits -> top-k kernel on its candidate lists."""
     above = tl.sum((keys > t_hi).to(tl.int32))
     hi_ok = above < k_eff  # else T > t_hi: search (t_hi, +inf] instead
     a = tl.where(hi_ok, t_lo, t_hi + 1)
@@ -439,7 +432,22 @@ def _resolve_list(
     t_below = a
     if (ca != k_eff) & (k_eff - cb == 1):
         t_below = tl.max(tl.where(keys < b, keys, _NONE))
-    t, r = _select_rule(a, ca, cb, k_eff, k, t_below)
+    return _select_rule(a, ca, cb, k_eff, k, t_below)
+
+
+@triton.jit
+def _resolve_list(
+    list_ptr, n_cand, t_lo, t_hi, k_eff, k, out_row, LIST: tl.constexpr, EMIT: tl.constexpr
+):
+    """Exact T and r from the list (every element >= t_lo, in column order); write the row.
+
+    The list holds every element >= t_lo, so T is found from it alone whatever t_hi turns
+    out to be; t_hi only shortens the search. The search holds the list's keys in registers
+    (one 1-D tile); the output is then written from the list again in blocks of ``EMIT``
+    (L1 / L2 hits), so that the ranks and the scattered store never need the whole list live.
+    """
+    keys, _cols = _list_keys(list_ptr, tl.arange(0, LIST), n_cand)
+    t, r = _list_threshold(keys, n_cand, t_lo, t_hi, k_eff, k)
     base_gt = tl.full([], 0, tl.int32)
     base_eq = tl.full([], 0, tl.int32)
     for j0 in range(0, n_cand, EMIT):
