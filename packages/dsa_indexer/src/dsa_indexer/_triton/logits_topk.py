@@ -117,19 +117,28 @@ def _indexer_logits_topk_kernel(
     local = tl.arange(0, BLOCK_M)
     n = tl.zeros([BLOCK_M], tl.int32)
     theta = tl.full([BLOCK_M], _NONE, tl.int32)
-    for s0 in range(lo, hi, BLOCK_N):
-        offs_n, col_ok, logits = _logits_tile(
-            k_ptr, stride_k, s0, hi, st, en, qt, wb, D, HP, BLOCK_M, BLOCK_N, DOT_FP32
-        )
-        bits = logits.to(tl.int32, bitcast=True)
-        keys = _keys(bits, col_ok[:, None])  # -inf (outside the range) and NaN: _NONE
-        take = keys > theta[None, :]
-        count = take.to(tl.int32)
-        pos = n[None, :] + tl.cumsum(count, 0) - 1
-        entry = (bits.to(tl.int64) << 32) | offs_n.to(tl.uint32).to(tl.int64)[:, None]
-        tl.store(lists[None, :] + pos, entry, mask=take)
-        n += tl.sum(count, 0)
-        if tl.max(n, 0) > C - BLOCK_N:
+    # Runs of tiles that cannot overflow any list (each tile appends at most BLOCK_N per
+    # query), then the compactions the next tile may need. The run's loop has no branch, so
+    # Triton software-pipelines its key loads as in the logits kernel; with the compaction test
+    # inside it, the loads were not pipelined and the loop ran at about half the speed.
+    s0 = lo
+    while s0 < hi:
+        room = (C - tl.max(n, 0)) // BLOCK_N  # >= 1: every list holds <= C - BLOCK_N
+        s1 = tl.minimum(hi, s0 + room * BLOCK_N)
+        for s in range(s0, s1, BLOCK_N):
+            offs_n, col_ok, logits = _logits_tile(
+                k_ptr, stride_k, s, hi, st, en, qt, wb, D, HP, BLOCK_M, BLOCK_N, DOT_FP32
+            )
+            bits = logits.to(tl.int32, bitcast=True)
+            keys = _keys(bits, col_ok[:, None])  # -inf (outside the range) and NaN: _NONE
+            take = keys > theta[None, :]
+            count = take.to(tl.int32)
+            pos = n[None, :] + tl.cumsum(count, 0) - 1
+            entry = (bits.to(tl.int64) << 32) | offs_n.to(tl.uint32).to(tl.int64)[:, None]
+            tl.store(lists[None, :] + pos, entry, mask=take)
+            n += tl.sum(count, 0)
+        s0 = s1
+        if (s0 < hi) & (tl.max(n, 0) > C - BLOCK_N):
             tl.debug_barrier()  # the appends of every warp are in the lists
             for i in range(BLOCK_M):
                 n_i = tl.sum(tl.where(local == i, n, 0), 0)
