@@ -115,9 +115,10 @@ def test_budget_names_the_candidate_row():
 
 def test_interp_config_is_fused():
     """The CPU ops run the torch reference; the fused flag only matters on the Triton path."""
-    assert _ops._fused_slots(INTERP_CONFIG, 8) == 32
-    assert _ops._fused_slots(dataclasses.replace(INTERP_CONFIG, lightning_fused=False), 8) == 0
-    assert _ops._fused_slots(dataclasses.replace(INTERP_CONFIG, backend="torch"), 8) == 0
+    assert _ops._fused_slots(INTERP_CONFIG, 8, 100) == 32
+    assert _ops._fused_slots(INTERP_CONFIG, 8, 0) == 0  # no keys: no lists to allocate
+    assert _ops._fused_slots(dataclasses.replace(INTERP_CONFIG, lightning_fused=False), 8, 100) == 0
+    assert _ops._fused_slots(dataclasses.replace(INTERP_CONFIG, backend="torch"), 8, 100) == 0
 
 
 # --------------------------------------------------------------------------- interpreter

@@ -484,7 +484,7 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
     picked = None
     for name, fused, regs, budget in LIGHTNING_PATHS:
         cfg = dataclasses.replace(table, lightning_fused=fused, fused_max_registers=regs)
-        slots = _fused_slots(cfg, TOPK)
+        slots = _fused_slots(cfg, TOPK, t_kv)
         budget = DEFAULT_LOGITS_BUDGET if budget is None else budget or 4 * t * t_kv
         block_rows = min(t, _block_rows("bench", t, t_kv, slots, budget))
         if name == "whole" and t <= _block_rows("bench", t, t_kv, 0, DEFAULT_LOGITS_BUDGET):

@@ -257,9 +257,10 @@ shorter inputs fit whole)."""
 _BLOCK_ALIGN = 64
 
 
-def _fused_slots(cfg: IndexerConfig, topk: int) -> int:
-    """Entries per query of the fused kernel's candidate list, 0 where the two passes run."""
-    if cfg.backend != "triton" or not cfg.lightning_fused:
+def _fused_slots(cfg: IndexerConfig, topk: int, t_kv: int) -> int:
+    """Entries per query of the fused kernel's candidate list, 0 where the two passes run
+    (also without keys: their logits blocks take no memory)."""
+    if cfg.backend != "triton" or not cfg.lightning_fused or t_kv == 0:
         return 0
     from dsa_indexer._triton.logits_topk import list_slots
 
@@ -321,7 +322,7 @@ def _lightning_indices_impl(
             indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
         return indices
     rows = (q, k, weights, starts, ends)
-    slots = _fused_slots(cfg, topk)
+    slots = _fused_slots(cfg, topk, k.shape[0])
     if t_q <= block_rows or block_rows < 2 or q.device.type != "cuda":
         # One stream (a single block, blocks of one row that cannot be halved, or the Triton
         # interpreter on CPU tensors).
@@ -435,7 +436,7 @@ def lightning_indexer(
     check_int(op, "topk", topk, minimum=1)
     check_int(op, "logits_budget_bytes", logits_budget_bytes, minimum=1)
     lookup = resolve_config(q, config)
-    slots = _fused_slots(lookup.config, topk)
+    slots = _fused_slots(lookup.config, topk, k.shape[0])
     block_rows = _block_rows(op, q.shape[0], k.shape[0], slots, logits_budget_bytes)
     fields = config_fields(lookup.config)
     indices = _lightning_indices_op(q, k, weights, starts, ends, topk, block_rows, *fields)
