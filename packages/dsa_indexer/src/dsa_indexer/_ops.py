@@ -264,7 +264,7 @@ def _fused_slots(cfg: IndexerConfig, topk: int, t_kv: int) -> int:
         return 0
     from dsa_indexer._triton.logits_topk import list_slots
 
-    return list_slots(topk, cfg.logits_block_n)
+    return list_slots(topk, cfg.logits_block_n, cfg.logits_num_warps)
 
 
 def _row_bytes(t_kv: int, slots: int) -> tuple[int, str]:

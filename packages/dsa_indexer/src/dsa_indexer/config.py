@@ -46,7 +46,9 @@ class IndexerConfig:
         lightning_fused: :func:`lightning_indexer` selects the top-k inside the logits kernel
             (a candidate list per query, the logits never stored; same indices bit for bit)
             instead of writing each block's logits and running ``ranged_topk`` on them. Used
-            where a list fits (``topk + logits_block_n <= 8192``), else the two passes run.
+            where a list fits (``topk + logits_block_n <= 4096``), else the two passes run. A
+            list row takes ``8 * slots + 4`` bytes of the budget whatever T_kv (32 KB at topk
+            2048), more than a logits row below T_kv = ``2 * slots``.
         fused_max_registers: 0, or a register cap per thread for the fused kernel (``maxnreg``):
             its list handling needs more registers than the logits loop, and a cap keeps as
             many CTAs per SM as the logits kernel has, spilling only in the rare list code.

@@ -43,19 +43,24 @@ from dsa_indexer._triton.logits import _logits_tile, _query_block
 from dsa_indexer.config import IndexerConfig
 
 # The longest candidate list: its keys are held in registers by the search (32 per thread at 4
-# warps for 4096 entries).
-MAX_LIST = 8192
+# warps for 4096 entries; 8192 spilled).
+MAX_LIST = 4096
 # Entries re-read per step of a list's in-place emit, and -1 entries per tail store.
 _EMIT = 1024
 _TAIL = 256
 
 
-def list_slots(topk: int, block_n: int) -> int:
-    """Entries of each query's candidate list for ``topk`` and ``block_n``-key tiles, or 0 where
-    the fused kernel does not apply (a list must hold k entries and one more tile, and at most
-    ``MAX_LIST``). Up to 4096 entries the list is at least 2k long, so that compactions (one per
-    ``C - k`` appends) stay rare."""
-    slots = triton.next_power_of_2(topk + block_n)
+def list_slots(topk: int, block_n: int, num_warps: int) -> int:
+    """Entries of each query's candidate list for ``topk``, ``block_n``-key tiles and programs
+    of ``num_warps`` warps, or 0 where the fused kernel does not apply (a list must hold k
+    entries and one more tile, and at most ``MAX_LIST``). Up to 4096 entries the list is at
+    least 2k long, so that compactions (one per ``C - k`` appends) stay rare.
+
+    A list has at least one entry per thread (``32 * num_warps``): then every reduction and
+    scan of a compaction spans all warps, and so is a CTA-wide barrier, which the in-place
+    compaction relies on (a list held whole by one warp would be reduced inside that warp, and
+    its stores could overtake another warp's loads)."""
+    slots = max(triton.next_power_of_2(topk + block_n), 32 * num_warps)
     while slots < 2 * topk and slots < 4096:
         slots *= 2
     return slots if slots <= MAX_LIST else 0
@@ -196,8 +201,8 @@ def indexer_logits_topk_into(
             equal to ``ranged_topk(indexer_logits(...), topk, starts, ends)`` with the same
             ``config``.
         lists, counts: scratch of any content (a caller reuses them for blocks of rows):
-            contiguous int64 ``[>= T, list_slots(topk, config.logits_block_n)]`` and int32
-            ``[>= T]``.
+            contiguous int64 ``[>= T, list_slots(topk, logits_block_n, logits_num_warps)]``
+            and int32 ``[>= T]``.
         q, k, weights, starts, ends: as in :func:`dsa_indexer._triton.indexer_logits_triton`.
         config: the logits tiling (``logits_*`` fields), the same as the two-pass path's.
 
@@ -205,7 +210,7 @@ def indexer_logits_topk_into(
     """
     t_q, heads, d = q.shape
     topk = indices.shape[1]
-    slots = list_slots(topk, config.logits_block_n)
+    slots = list_slots(topk, config.logits_block_n, config.logits_num_warps)
     check_head_dim("indexer_logits_topk", d)
     if indices.shape != (t_q, topk) or indices.dtype != torch.int32:
         raise ValueError(f"indexer_logits_topk_into: indices must be int32 [{t_q}, topk]")
@@ -223,7 +228,7 @@ def indexer_logits_topk_into(
     k = k if k.stride(1) == 1 or k.shape[0] == 0 else k.contiguous()
     hp = triton.next_power_of_2(heads)
     block_m = max(1, config.logits_block_rows // hp)
-    emit = min(_EMIT, slots)
+    emit = min(_EMIT, slots)  # >= 32 * num_warps, as slots (see list_slots)
     _indexer_logits_topk_kernel[(triton.cdiv(t_q, block_m),)](
         q,
         k,
