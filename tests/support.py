@@ -306,6 +306,28 @@ def dense_topk_scores(q, k, w, indices) -> torch.Tensor:
 # --------------------------------------------------------------------------- fake CUDA tensors
 
 
+def check_graph_replays(run, inputs, expected) -> None:
+    """Capture ``run`` on clones of ``inputs[0]`` in a CUDA graph (after a warm-up on a side
+    stream, as capture requires); then for each tuple of ``inputs``, copy it into the captured
+    tensors, replay, and assert that the captured output equals ``expected(*that tuple)``."""
+    args = [x.clone() for x in inputs[0]]
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(*args)
+        for new in inputs:
+            for dst, src in zip(args, new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, expected(*new))
+
+
 def fake_cuda(*shape, dtype=torch.bfloat16) -> torch.Tensor:
     """A fake (shape and device only) CUDA tensor: config resolution reads nothing else, so the
     CUDA paths resolve on a machine without a GPU (with ``KERNEL_COMMON_ARCH`` set)."""

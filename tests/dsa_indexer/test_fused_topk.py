@@ -29,6 +29,7 @@ from dsa_indexer._triton.logits_topk import MAX_LIST, indexer_logits_topk_into, 
 from dsa_indexer.config import INDEXER_CONFIGS, IndexerConfig
 from support import (
     RANGE_LAYOUTS,
+    check_graph_replays,
     cu_seqlens,
     indexer_inputs,
     interp_only,
@@ -279,19 +280,4 @@ def test_gpu_fused_in_a_cuda_graph():
             q, k, w, starts, ends, 64, logits_budget_bytes=budget, config=config
         )[1]
 
-    q, k, w = (x.clone() for x in inputs[0])
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run(q, k, w)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run(q, k, w)
-        for new in inputs:
-            for dst, src in zip((q, k, w), new, strict=True):
-                dst.copy_(src)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, run(*new, config=two_pass))
+    check_graph_replays(run, inputs, lambda q, k, w: run(q, k, w, config=two_pass))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from dsa_indexer import _ops as indexer_ops
 from dsa_indexer import causal_ranges, lightning_indexer, reference
-from support import cu_seqlens, indexer_inputs, seeded_gen
+from support import check_graph_replays, cu_seqlens, indexer_inputs, seeded_gen
 from topk.reference import ranged_topk_reference
 
 
@@ -116,19 +116,4 @@ def test_gpu_blocks_capture_in_a_cuda_graph():
     def run(q, k, w):
         return lightning_indexer(q, k, w, starts, ends, 64, logits_budget_bytes=budget)[1]
 
-    q, k, w = (x.clone() for x in inputs[0])
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run(q, k, w)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run(q, k, w)
-        for new in inputs:
-            for dst, src in zip((q, k, w), new, strict=True):
-                dst.copy_(src)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, run(*new))
+    check_graph_replays(run, inputs, run)

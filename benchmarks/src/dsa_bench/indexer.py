@@ -475,7 +475,7 @@ def _lightning_inputs(layout, t, t_kv, seq_len, offset, heads=HEADS):
 
 def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
     from dsa_indexer import lightning_indexer
-    from dsa_indexer._ops import DEFAULT_LOGITS_BUDGET, _block_rows, _fused_slots
+    from dsa_indexer._ops import DEFAULT_LOGITS_BUDGET, _block_rows, _fused_slots, _row_bytes
 
     q, k, w, starts, ends, g = _lightning_inputs(layout, t, t_kv, seq_len, offset)
     pairs = int((ends - starts).clamp(min=0).sum())
@@ -518,7 +518,7 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
             "fwd_ms": fwd,
             "fwd_bwd_ms": fb,
             "logits_tflops": 2.0 * HEADS * DIM * pairs / fwd / 1e9,
-            "block_gib": block_rows * _ops_row_bytes(t_kv, slots) / 2**30,
+            "block_gib": block_rows * _row_bytes(t_kv, slots)[0] / 2**30,
             "fwd_peak_gib": fwd_peak / 2**30,
             "work_gib": work / 2**30,
             "peak_extra_gib": peak / 2**30,
@@ -530,12 +530,6 @@ def _lightning_case(layout, t, t_kv, seq_len, offset, rows):
         del indices
         rows.append(row)
         print(common.named(row, [c.key for c in LIGHTNING_COLUMNS]), flush=True)
-
-
-def _ops_row_bytes(t_kv, slots):
-    from dsa_indexer._ops import _row_bytes
-
-    return _row_bytes(t_kv, slots)[0]
 
 
 def lightning(out: Path):
