@@ -41,6 +41,7 @@ from dsa_indexer._triton import (
     indexer_topk_scores_backward_triton,
     indexer_topk_scores_triton,
 )
+from dsa_indexer._triton import logits as logits_kernel
 from dsa_indexer._triton.logits import indexer_logits_into
 from dsa_indexer._triton.topk_scores import indexer_topk_scores_into, topk_scores_backward_into
 from dsa_indexer.config import INDEXER_CONFIGS, IndexerConfig
@@ -164,6 +165,32 @@ def test_cpu_interp_logits(layout, heads, d):
     starts, ends, t_kv = range_layout(layout, t_q, gen)
     q, k, w = indexer_inputs(t_q, t_kv, heads, d, gen)
     _check_logits(q, k, w, starts, ends, INTERP_CONFIG)
+
+
+def _long_ranges(t_q, t_kv, gen, device):
+    """Ranges over ``t_kv`` keys that start below 0, end past T_kv, are empty in some rows and
+    cross the key chunks of a split launch anywhere."""
+    starts = torch.randint(-3, t_kv, (t_q,), generator=gen)
+    ends = starts + torch.randint(-4, t_kv // 2, (t_q,), generator=gen)
+    ends[::7] = starts[::7]
+    return starts.to(device, torch.int32), ends.to(device, torch.int32)
+
+
+def _check_split_logits(t_q, t_kv, heads, d, config, device):
+    """Logits of a launch whose few query blocks split the keys into chunks (asserted)."""
+    gen = seeded_gen("split", t_q, t_kv, heads)
+    q, k, w = indexer_inputs(t_q, t_kv, heads, d, gen, device)
+    starts, ends = _long_ranges(t_q, t_kv, gen, device)
+    blocks = -(-t_q // max(1, config.logits_block_rows // heads))
+    assert logits_kernel._split_n(blocks, t_kv, config.logits_block_n, q.device) < t_kv
+    _check_logits(q, k, w, starts, ends, config)
+
+
+@interp_only
+def test_cpu_interp_logits_key_chunks(monkeypatch):
+    monkeypatch.setattr(logits_kernel, "_PROGRAMS_PER_SM", 16)
+    monkeypatch.setattr(logits_kernel, "_MIN_SPLIT_N", 16)
+    _check_split_logits(9, 150, 8, 16, INTERP_CONFIG, "cpu")
 
 
 @interp_only
@@ -334,6 +361,13 @@ def test_gpu_backward_key_windows(heads, pattern, topk, rotate):
         _device_config(heads), backward_rotate=rotate, backward_key_window=1024
     )
     _check_scores_and_backward(q, k, w, indices, config, accum_bar=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 32, 64])
+def test_gpu_logits_key_chunks(heads):
+    """A few query blocks (as in a lightning block) against many keys: chunked programs."""
+    _check_split_logits(300, 40000, heads, 128, _device_config(heads), "cuda")
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ that is not a block multiple. Each case runs the public ``sparse_attention`` (fo
 backward, the table's row for its shape, then its deterministic row) and
 ``sparse_attention_probs`` on the same indices;
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
-logits -> top-k kernel) and ``indexer_kl_loss``
+logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
+``indexer_kl_loss``
 (forward, backward) on its scores. Run on the GPU host:
 
     compute-sanitizer --tool memcheck python -m dsa_bench.memcheck
@@ -81,6 +82,20 @@ def main() -> None:
         print(f"indexer fused={fused}: {int((indices >= 0).sum())} selected, kl {float(loss):.4f},"
               f" dq finite={bool(torch.isfinite(iq.grad.float()).all())}")  # fmt: skip
         iq.grad = ik.grad = iw.grad = None
+    # A context-parallel shard: 200 queries (the last of a 9000-token sequence, a 1-token
+    # segment among them) against all its keys, 64-row blocks: each logits launch has too few
+    # query blocks to fill the GPU and splits the keys into chunks.
+    t, t_kv = 200, 9000
+    cu = torch.tensor([0, 8899, 8900, t_kv], device="cuda", dtype=torch.int32)
+    starts, ends = causal_ranges(cu, t, query_offset=t_kv - t)
+    iq = torch.randn(t, heads, d, device="cuda", generator=gen).bfloat16()
+    ik = torch.randn(t_kv, d, device="cuda", generator=gen).bfloat16()
+    iw = torch.randn(t, heads, device="cuda", generator=gen)
+    _, indices = lightning_indexer(
+        iq, ik, iw, starts, ends, topk, logits_budget_bytes=64 * 4 * t_kv
+    )
+    torch.cuda.synchronize()
+    print(f"indexer cp shard, key chunks: {int((indices >= 0).sum())} selected")
 
 
 if __name__ == "__main__":

@@ -284,7 +284,11 @@ def _block_rows(op: str, t_q: int, t_kv: int, slots: int, budget: int) -> int:
         raise ValueError(
             f"{op}: logits_budget_bytes={budget} is below one row of {what}; pass at least {row}"
         )
-    rows = budget // row
+    return _aligned(budget // row)
+
+
+def _aligned(rows: int) -> int:
+    """``rows`` rounded down to whole ``_BLOCK_ALIGN`` groups, when it holds one."""
     return rows if rows < _BLOCK_ALIGN else rows // _BLOCK_ALIGN * _BLOCK_ALIGN
 
 
@@ -321,69 +325,118 @@ def _lightning_indices_impl(
             )
             indices[r0:r1] = ranged_topk(logits, topk, starts[r0:r1], ends[r0:r1])
         return indices
-    rows = (q, k, weights, starts, ends)
+    if t_q == 0 or k.shape[0] == 0:
+        return indices.fill_(-1)  # nothing to select from
+    # Past one block on CUDA, two half-size blocks are in flight on two streams (see
+    # _blocks_on_lanes); one stream for a single block, blocks of one row that cannot be
+    # halved, or the Triton interpreter on CPU tensors.
+    lanes = t_q > block_rows and block_rows >= 2 and q.device.type == "cuda"
+    step = _aligned(block_rows // 2) if lanes else min(t_q, block_rows)
     slots = _fused_slots(cfg, topk, k.shape[0])
-    if t_q <= block_rows or block_rows < 2 or q.device.type != "cuda":
-        # One stream (a single block, blocks of one row that cannot be halved, or the Triton
-        # interpreter on CPU tensors).
-        buffer = _work_buffer(q, k, min(t_q, block_rows), slots)
-        for r0 in range(0, t_q, block_rows):
-            _topk_block(indices, rows, r0, min(t_q, r0 + block_rows), buffer, cfg)
-        return indices
-    _blocks_on_lanes(indices, rows, block_rows, slots, cfg)
+    blocks = _Blocks((q, k, weights, starts, ends), indices, step, slots, cfg)
+    if lanes:
+        _blocks_on_lanes(blocks)
+    else:
+        buffer = blocks.buffer()
+        for i in range(blocks.count):
+            blocks.run(i, buffer)
     return indices
 
 
-def _work_buffer(q, k, rows: int, slots: int) -> tuple[torch.Tensor, ...]:
-    """A block's working memory: fp32 logits ``[rows, T_kv]``, or the fused kernel's candidate
-    lists (int64 ``[rows, slots]``) and their lengths (int32 ``[rows]``)."""
-    if slots:
-        return (
-            q.new_empty((rows, slots), dtype=torch.int64),
-            q.new_empty((rows,), dtype=torch.int32),
-        )
-    return (q.new_empty((rows, k.shape[0]), dtype=torch.float32),)
+class _Blocks:
+    """The query blocks (``step`` rows each) of one :func:`lightning_indexer` call on the Triton
+    backend and what they share, prepared once so that a block costs the host two kernel
+    launches and no allocation: at 128k keys and the default budget there are 128 blocks, and
+    the early causal ones hold so little work that more host time per block leaves the GPU idle.
+
+    A block either runs the fused kernel into candidate lists (``slots > 0``), or writes its
+    logits into a buffer (unclean: the top-k reads only each row's range) that the top-k kernel
+    then reduces, with the ranges clipped to the row once for all blocks, one zeroed row counter
+    per block and a reused candidate scratch.
+    """
+
+    def __init__(self, rows, indices, step, slots, cfg):
+        self.rows, self.indices, self.step = rows, indices, max(step, 1)
+        self.slots, self.cfg = slots, cfg
+        q, k, _, starts, ends = rows
+        self.count = -(-q.shape[0] // self.step)
+        if slots:
+            return
+        from topk import TopkConfig
+        from topk import resolve_config as topk_config
+        from topk._triton import launch_plan
+
+        t_kv = k.shape[0]
+        row = topk_config(q).config if q.is_cuda else TopkConfig()
+        self.launch = launch_plan(row, t_kv, self.indices.shape[1])
+        self.lo = starts.clamp(0, t_kv)
+        self.hi = ends.clamp(0, t_kv)
+        self.counters = torch.zeros(self.count, dtype=torch.int32, device=q.device)
+
+    def buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Working memory for one block: the fused kernel's candidate lists (int64
+        ``[step, slots]``) and their lengths (int32 ``[step]``), or fp32 logits
+        ``[step, T_kv]`` and the top-k's candidate scratch."""
+        q, k = self.rows[0], self.rows[1]
+        if self.slots:
+            return (
+                q.new_empty((self.step, self.slots), dtype=torch.int64),
+                q.new_empty((self.step,), dtype=torch.int32),
+            )
+        from topk._triton import topk_scratch
+
+        logits = q.new_empty((self.step, k.shape[0]), dtype=torch.float32)
+        return logits, topk_scratch(self.step, q.device, self.launch)
+
+    def run(self, i: int, buffer) -> None:
+        """Block ``i``: its rows' top-k into the indices, on the current stream."""
+        q, k, weights, starts, ends = self.rows
+        r0 = i * self.step
+        r1 = min(q.shape[0], r0 + self.step)
+        part = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
+        indices = self.indices[r0:r1]
+        if self.slots:
+            from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
+
+            indexer_logits_topk_into(indices, *buffer, *part, config=self.cfg)
+        else:
+            from topk._triton import ranged_topk_into
+
+            from dsa_indexer._triton.logits import indexer_logits_into
+
+            logits = buffer[0][: r1 - r0]
+            indexer_logits_into(logits, *part, False, config=self.cfg)
+            ranged_topk_into(
+                indices,
+                logits,
+                self.lo[r0:r1],
+                self.hi[r0:r1],
+                self.launch,
+                buffer[1],
+                self.counters[i : i + 1],
+            )
 
 
-def _topk_block(indices, rows, r0, r1, buffer, cfg) -> None:
-    """Rows [r0, r1): their top-k into ``indices`` on the current stream, either by the fused
-    kernel (``buffer`` holds lists) or as logits into ``buffer`` (unclean: the top-k reads only
-    each row's range) and then ``ranged_topk``."""
-    q, k, weights, starts, ends = rows
-    part = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
-    if len(buffer) == 2:
-        from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
-
-        indexer_logits_topk_into(indices[r0:r1], *buffer, *part, config=cfg)
-        return
-    from dsa_indexer._triton.logits import indexer_logits_into
-
-    logits = buffer[0][: r1 - r0]
-    indexer_logits_into(logits, *part, False, config=cfg)
-    indices[r0:r1] = ranged_topk(logits, indices.shape[1], starts[r0:r1], ends[r0:r1])
-
-
-def _blocks_on_lanes(indices, rows, block_rows, slots, cfg) -> None:
-    """The blocks of an input longer than one block, alternating between two streams with a
-    buffer of half the budget each. A block's logits grid alone is under two waves (2048 rows
-    at 128k keys are 512 programs), so on one stream each block ends with a partly idle GPU;
-    two independent blocks in flight fill it. Both streams start after, and the caller's stream
-    continues after, all the blocks (CUDA-graph capture records the fork and the join)."""
-    q, k = rows[0], rows[1]
-    half = block_rows // 2  # >= 1: the caller runs blocks of one row on one stream
-    half = half if half < _BLOCK_ALIGN else half // _BLOCK_ALIGN * _BLOCK_ALIGN
-    main = torch.cuda.current_stream(q.device)
-    lanes = _lanes(q.device)
-    buffers = [_work_buffer(q, k, half, slots) for _ in lanes]
+def _blocks_on_lanes(blocks: _Blocks) -> None:
+    """Blocks (half the budget each) alternating between two streams, each with its own
+    buffer. A block's logits grid alone is under two waves (2048 rows at 128k keys are 512
+    programs), so on one stream each block ends with a partly idle GPU; two independent blocks
+    in flight fill it, and one block's top-k overlaps the other's logits. Both streams start
+    after, and the caller's stream continues after, all the blocks (CUDA-graph capture records
+    the fork and the join)."""
+    device = blocks.rows[0].device
+    main = torch.cuda.current_stream(device)
+    lanes = _lanes(device)
+    buffers = [blocks.buffer() for _ in lanes]
     for lane in lanes:
         lane.wait_stream(main)
-    for i, r0 in enumerate(range(0, q.shape[0], half)):
+    for i in range(blocks.count):
         with torch.cuda.stream(lanes[i % 2]):
-            _topk_block(indices, rows, r0, min(q.shape[0], r0 + half), buffers[i % 2], cfg)
+            blocks.run(i, buffers[i % 2])
     for lane in lanes:
         main.wait_stream(lane)
-    # The buffers were allocated on the caller's stream, which has waited for both lanes: they
-    # may be reused from here on.
+    # The buffers (and the shared clipped ranges and counters) were allocated on the caller's
+    # stream, which has waited for both lanes: they may be reused from here on.
 
 
 _lightning_indices_op = define_config_op(

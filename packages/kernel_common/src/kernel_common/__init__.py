@@ -1,6 +1,6 @@
 """Shared core of the DSA kernel packages: arch detection, config tables, test/timing helpers."""
 
-from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, tilelang_target
+from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, sm_count, tilelang_target
 from kernel_common.config import (
     ConfigTable,
     KeyField,
@@ -27,6 +27,7 @@ __all__ = [
     "heads_bucket",
     "next_pow2",
     "parse_arch",
+    "sm_count",
     "tilelang_target",
 ]
 __version__ = "0.1.0"

@@ -95,6 +95,18 @@ def _query_cuda(index: int) -> Arch:
     return Arch(vendor, major, minor)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (cached per device: launchers that size
+    their grids by it ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _query_sm_count(index)
+
+
+@functools.cache
+def _query_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def tilelang_target(arch: Arch) -> dict[str, str]:
     """The TileLang compile target for ``arch``.
 

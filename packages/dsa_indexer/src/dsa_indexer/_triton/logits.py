@@ -14,16 +14,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kernel_common import sm_count
 
 from dsa_indexer._triton._common import check_head_dim, interpreted
 from dsa_indexer.config import IndexerConfig
 
 # -inf tile of the fill path: about this many fp32 per store instruction batch.
 _FILL_ELEMENTS = 4096
+# A launch with fewer query blocks than this many per SM splits the keys into chunks (one
+# program per block and chunk) until it has about that many programs: a lightning block of
+# 1024 queries is only 256 query blocks, each a serial scan of up to 128k keys, which leaves
+# most of the GPU idle. Chunks hold at least _MIN_SPLIT_N keys (64 tiles), so that the query
+# block's operand load stays a small part of a program.
+_PROGRAMS_PER_SM = 16
+_MIN_SPLIT_N = 4096
 
 
 @triton.jit
 def _query_block(
+    blk,
     q_ptr,
     w_ptr,
     starts_ptr,
@@ -36,14 +45,10 @@ def _query_block(
     BLOCK_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """This program's ``BLOCK_M`` queries: the first one, their rows, clamped ranges, the union
-    ``[lo, hi)`` of the non-empty ones, and the (query, head) operand ``qt``
+    """Query block ``blk`` (``BLOCK_M`` queries): the first one, their rows, clamped ranges,
+    the union ``[lo, hi)`` of the non-empty ones, and the (query, head) operand ``qt``
     ``[D, BLOCK_M * HP]`` with its weights ``wb``, loaded once and kept for every key tile."""
-    # Causal (and packed, CP-shifted or compressed) ranges grow with the query index, so
-    # launching the last query block first runs the longest programs first and leaves the
-    # short ones to fill the tail of the grid.
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    t0 = pid * BLOCK_M
+    t0 = blk * BLOCK_M
 
     offs_m = t0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < T
@@ -117,6 +122,8 @@ def _indexer_logits_kernel(
     T,
     T_kv,
     stride_k,
+    SPLITS,
+    SPLIT_N,
     H: tl.constexpr,
     D: tl.constexpr,
     HP: tl.constexpr,
@@ -126,33 +133,45 @@ def _indexer_logits_kernel(
     CLEAN: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
+    # Program = (query block, key chunk of SPLIT_N columns), chunks fastest. Causal (and packed,
+    # CP-shifted or compressed) ranges grow with the query index, so the last query block is
+    # launched first: the longest programs run first and the short ones fill the grid's tail.
+    pid = tl.program_id(0)
+    blk = tl.cdiv(T, BLOCK_M) - 1 - pid // SPLITS
+    c_lo = (pid % SPLITS) * SPLIT_N
+    c_hi = tl.minimum(c_lo + SPLIT_N, T_kv)
     _t0, offs_m, row_ok, st, en, lo, hi, qt, wb = _query_block(
-        q_ptr, w_ptr, starts_ptr, ends_ptr, T, T_kv, H, D, HP, BLOCK_M, DOT_FP32
+        blk, q_ptr, w_ptr, starts_ptr, ends_ptr, T, T_kv, H, D, HP, BLOCK_M, DOT_FP32
     )
     out_rows = out_ptr + offs_m.to(tl.int64) * T_kv  # T * T_kv exceeds 2^31
+    # This program's share of the union of ranges (empty when the chunk misses it).
+    lo_c = tl.maximum(lo, c_lo)
+    hi_c = tl.minimum(hi, c_hi)
 
     if CLEAN:
-        # Columns outside the union are -inf for every row of the block: plain stores, no math.
-        hi_fill = tl.maximum(hi, lo)
+        # Chunk columns outside the union are -inf for every row of the block: plain stores,
+        # no math.
+        fill_lo = tl.minimum(tl.maximum(lo, c_lo), c_hi)
+        fill_hi = tl.minimum(tl.maximum(hi_c, fill_lo), c_hi)
         neg_tile = tl.full((BLOCK_M, FILL_N), float("-inf"), tl.float32)
-        for c0 in range(0, lo, FILL_N):
+        for c0 in range(c_lo, fill_lo, FILL_N):
             cols = c0 + tl.arange(0, FILL_N)
             tl.store(
                 out_rows[:, None] + cols[None, :],
                 neg_tile,
-                mask=row_ok[:, None] & (cols < lo)[None, :],
+                mask=row_ok[:, None] & (cols < fill_lo)[None, :],
             )
-        for c0 in range(hi_fill, T_kv, FILL_N):
+        for c0 in range(fill_hi, c_hi, FILL_N):
             cols = c0 + tl.arange(0, FILL_N)
             tl.store(
                 out_rows[:, None] + cols[None, :],
                 neg_tile,
-                mask=row_ok[:, None] & (cols < T_kv)[None, :],
+                mask=row_ok[:, None] & (cols < c_hi)[None, :],
             )
 
-    for s0 in range(lo, hi, BLOCK_N):
+    for s0 in range(lo_c, hi_c, BLOCK_N):
         offs_n, col_ok, logits = _logits_tile(
-            k_ptr, stride_k, s0, hi, st, en, qt, wb, D, HP, BLOCK_M, BLOCK_N, DOT_FP32
+            k_ptr, stride_k, s0, hi_c, st, en, qt, wb, D, HP, BLOCK_M, BLOCK_N, DOT_FP32
         )
         tl.store(
             out_rows[None, :] + offs_n[:, None],
@@ -221,7 +240,10 @@ def indexer_logits_into(
     k = k if k.stride(1) == 1 else k.contiguous()
     hp = triton.next_power_of_2(heads)
     block_m = max(1, config.logits_block_rows // hp)
-    _indexer_logits_kernel[(triton.cdiv(t_q, block_m),)](
+    blocks = triton.cdiv(t_q, block_m)
+    split_n = _split_n(blocks, t_kv, config.logits_block_n, q.device)
+    splits = triton.cdiv(t_kv, split_n)
+    _indexer_logits_kernel[(blocks * splits,)](
         q,
         k,
         weights.contiguous(),
@@ -231,6 +253,8 @@ def indexer_logits_into(
         t_q,
         t_kv,
         k.stride(0),
+        splits,
+        split_n,
         H=heads,
         D=d,
         HP=hp,
@@ -242,3 +266,15 @@ def indexer_logits_into(
         num_warps=config.logits_num_warps,
         num_stages=config.logits_num_stages,
     )
+
+
+def _split_n(blocks: int, t_kv: int, block_n: int, device: torch.device) -> int:
+    """Keys per program's chunk for a launch of ``blocks`` query blocks: all of them (one chunk)
+    when the blocks alone fill the GPU, else chunks of a whole number of tiles, at least
+    ``_MIN_SPLIT_N`` keys, few enough that blocks x chunks reach ``_PROGRAMS_PER_SM`` per SM.
+    Depends only on shapes (no host synchronisation); every chunk computes the same logits."""
+    target = _PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
+    if blocks >= target or t_kv <= _MIN_SPLIT_N:
+        return max(t_kv, 1)
+    splits = min(triton.cdiv(target, blocks), triton.cdiv(t_kv, _MIN_SPLIT_N))
+    return triton.cdiv(triton.cdiv(t_kv, splits), block_n) * block_n

@@ -115,8 +115,10 @@ def _indexer_logits_topk_kernel(
 ):
     """Append each query's candidates to its list (compacting it when full) and store the
     final list lengths in ``counts``."""
+    # The last query block first: the longest (causal) programs start first.
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
     t0, offs_m, row_ok, st, en, lo, hi, qt, wb = _query_block(
-        q_ptr, w_ptr, starts_ptr, ends_ptr, T, T_kv, H, D, HP, BLOCK_M, DOT_FP32
+        blk, q_ptr, w_ptr, starts_ptr, ends_ptr, T, T_kv, H, D, HP, BLOCK_M, DOT_FP32
     )
     lists = list_base + offs_m.to(tl.int64) * C
     local = tl.arange(0, BLOCK_M)

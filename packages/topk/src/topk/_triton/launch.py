@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from kernel_common import next_pow2
+from kernel_common import next_pow2, sm_count
 
 from topk._triton.ranged_topk import _ranged_topk_kernel
 from topk.config import TopkConfig
@@ -102,14 +102,21 @@ def launch_plan(config: TopkConfig, n: int, k: int) -> TopkLaunch:
     )
 
 
-_SM_COUNT: dict[int, int] = {}
+def topk_programs(rows: int, device: torch.device, launch: TopkLaunch) -> int:
+    """Programs one launch over ``rows`` rows runs (rows are shared out dynamically): enough to
+    fill the GPU at ``launch.programs_per_sm``, never more than the rows."""
+    if device.type == "cuda":
+        return min(rows, sm_count(device) * launch.programs_per_sm)
+    return min(rows, 2)  # the interpreter runs programs one after another
 
 
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+def topk_scratch(rows: int, device: torch.device, launch: TopkLaunch) -> torch.Tensor:
+    """The candidate-list scratch of a launch over at most ``rows`` rows (int64
+    ``[programs, num_warps, list_size]``); reusable by launches that do not overlap in time."""
+    programs = topk_programs(rows, device, launch)
+    return torch.empty(
+        (programs, launch.num_warps, launch.list_size), dtype=torch.int64, device=device
+    )
 
 
 def ranged_topk_triton(
@@ -136,19 +143,32 @@ def ranged_topk_triton(
     """
     if scores.dim() != 2 or scores.stride(1) != 1:
         raise ValueError("ranged_topk_triton: scores must be [R, N] with unit column stride")
-    lo, hi = lo.contiguous(), hi.contiguous()
     rows, n = scores.shape
     if rows == 0 or n == 0:
         return torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
-    if scores.device.type == "cuda":
-        programs = min(rows, _sm_count(scores.device) * launch.programs_per_sm)
-    else:  # the interpreter runs programs one after another
-        programs = min(rows, 2)
     out = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
-    lists = torch.empty(
-        (programs, launch.num_warps, launch.list_size), dtype=torch.int64, device=scores.device
-    )
     counter = torch.zeros(1, dtype=torch.int32, device=scores.device)
+    lists = topk_scratch(rows, scores.device, launch)
+    ranged_topk_into(out, scores, lo.contiguous(), hi.contiguous(), launch, lists, counter)
+    return out
+
+
+def ranged_topk_into(
+    out: torch.Tensor,
+    scores: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    launch: TopkLaunch,
+    lists: torch.Tensor,
+    counter: torch.Tensor,
+) -> None:
+    """:func:`ranged_topk_triton` into a contiguous int32 ``[R, k]`` ``out``, with the caller's
+    scratch: ``lists`` from :func:`topk_scratch` for at least ``R`` rows and ``counter`` one
+    int32 that is 0 (the launch leaves it at R + programs). For callers that launch many times
+    (one query block after another) and so keep allocations and small launches off the host's
+    path; ``lo``, ``hi`` contiguous and ``scores`` non-empty, as validated by the op."""
+    rows = scores.shape[0]
+    programs = topk_programs(rows, scores.device, launch)
     _ranged_topk_kernel[(programs,)](
         scores,
         scores.stride(0),
@@ -158,16 +178,15 @@ def ranged_topk_triton(
         lists,
         counter,
         rows,
-        k,
+        out.shape[1],
         CHUNK=launch.chunk,
         SAMPLE=launch.sample,
         RUN=launch.run,
         LIST=launch.list_size,
         REPS=launch.reps,
-        TAIL=min(next_pow2(k), 1024),
+        TAIL=min(next_pow2(out.shape[1]), 1024),
         WARPS=launch.num_warps,
         PREFETCH=launch.prefetch if scores.device.type == "cuda" else 0,
         num_warps=launch.num_warps,
         maxnreg=_max_registers(launch),
     )
-    return out

@@ -34,7 +34,8 @@ sectors on long rows); the lists and the output are small. The result depends on
 scores, never on the schedule: the only atomic is the row counter.
 
 Scratch: ``programs x warps x list_size`` int64 entries (about 70 MB at the H200 defaults for
-k <= 2112, 140 MB at k = 4096), allocated per call. The launch geometry and the host side of
+k <= 2112, 140 MB at k = 4096), allocated per call (or once by a caller that launches for
+block after block). The launch geometry and the host side of
 the launch are in :mod:`topk._triton.launch`.
 """
 
