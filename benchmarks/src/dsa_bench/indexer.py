@@ -612,17 +612,37 @@ def _fused_sweep_case(heads, t, rows):
         print(common.named(row, [c.key for c in FUSED_SWEEP_COLUMNS]), flush=True)
 
 
-def fused_sweep():
+def fused_sweep(out: Path):
     """Per head count's table row, causal 16k and 64k, topk 2048: the forward's indices
     (``lightning_indexer`` under no_grad, scores included) on the two passes and on the fused
-    kernel with and without a register cap, each against the two passes."""
+    kernel with and without a register cap, each against the two passes. Writes
+    ``indexer_fused_sweep.csv`` and ``.png``."""
     rows = []
     for heads in (8, 16, 32, 64):
         for t in (16384, 65536):
             _fused_sweep_case(heads, t, rows)
             gc.collect()
             torch.cuda.empty_cache()
+    print(f"\nwrote {common.write_csv(rows, out / 'indexer_fused_sweep.csv')}")
+    try:
+        print(f"wrote {plot_fused_sweep(rows, out / 'indexer_fused_sweep.png')}")
+    except ImportError:
+        print("matplotlib missing: no PNG")
     common.print_table(rows, FUSED_SWEEP_COLUMNS)
+
+
+def plot_fused_sweep(rows, path: Path) -> Path:
+    """Each path's time relative to the two passes, per head count and length."""
+    labels = [f"{r['heads']}h {int(r['T']) // 1024}k {r['path']}" for r in rows]
+    return common.bar_plot(
+        path,
+        labels,
+        [("x two passes", [float(r["x_two_pass"]) for r in rows])],
+        ylabel="time / two passes",
+        title="lightning_indexer forward (topk 2048): fused logits -> top-k vs two passes",
+        figsize=(max(8, len(rows) * 0.45), 4.5),
+        label_fontsize=6,
+    )
 
 
 def main(argv=None):
@@ -679,7 +699,7 @@ def main(argv=None):
         lightning(args.out)
         return
     if args.fused_sweep:
-        fused_sweep()
+        fused_sweep(args.out)
         return
     lookup = table_config(HEADS)
     print(f"{torch.cuda.get_device_name()}: config {lookup.describe()}: {lookup.config}")
