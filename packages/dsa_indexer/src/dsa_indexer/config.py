@@ -133,8 +133,11 @@ _MEASURED = (
 # Fastest candidates of the sweeps per head count: (logits rows, block_n, warps, stages) and
 # (backward block_k, warps, stages, rotate, dk_split); the scores forward was fastest at
 # (64, 4, 3) for all. Two or three one-warpgroup CTAs per SM overlap one's epilogue with
-# another's wgmma; 256 (query, head) rows only pay off at 8 heads (more queries share a key tile)
-# and at 64 heads with a third stage. The backward is register-bound: splitting its dk product
+# another's wgmma; 256 (query, head) rows pay off at 8 heads (more queries share a key tile),
+# at 64 heads with a third stage, and at 32 heads with 8 warps (two warpgroups per CTA; not in
+# the first sweep; re-swept on 16k / 128k causal: 2.02 -> 1.90 ms and 141.8 -> 130.2 ms whole,
+# 157.2 -> 144.2 ms in 1024-row blocks; benchmarks/results/indexer_logits_tiles_32h.log).
+# The backward is register-bound: splitting its dk product
 # in two column halves takes 32 heads from 220 registers (two CTAs per SM) to 164 (three), 7.4
 # -> 6.0 ms at 16k causal; rotating the key walk spreads the dk atomics of neighbouring queries
 # (which pick nearly the same keys) and wins a little at 8, 16 and 64 heads. At 32 heads a third
@@ -142,7 +145,7 @@ _MEASURED = (
 _SWEEP = {
     8: ((256, 64, 4, 2), (64, 4, 3, True, 2)),
     16: ((128, 64, 4, 2), (64, 4, 2, True, 1)),
-    32: ((128, 64, 4, 2), (64, 4, 3, False, 2)),
+    32: ((256, 64, 8, 2), (64, 4, 3, False, 2)),
     64: ((256, 64, 4, 3), (64, 4, 2, True, 2)),
 }
 
