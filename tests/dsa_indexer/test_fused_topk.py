@@ -187,16 +187,18 @@ def test_cpu_interp_fused_short_ranges_and_no_keys():
 
 
 @interp_only
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("rows", [3, 64])
-def test_cpu_interp_fused_blocks(rows):
-    """lightning_indexer's blocked path with the fused kernel: blocks of 3 and 64 rows (one
-    list buffer reused) give the indices of one pass."""
+def test_cpu_interp_blocks(rows, fused):
+    """lightning_indexer's blocked Triton path, with the fused kernel or with logits blocks and
+    the Triton top-k (one counter per block, one scratch reused): blocks of 3 and 64 rows give
+    the indices of one pass."""
     lens = [70, 1, 29]
     gen = seeded_gen("fused blocks", rows)
     q, k, w = indexer_inputs(100, 100, 4, 16, gen)
     starts, ends = causal_ranges(cu_seqlens(lens), 100)
     want = _two_pass(q, k, w, starts, ends, 10, INTERP_CONFIG, ranged_topk_reference)
-    fields = dataclasses.astuple(INTERP_CONFIG)
+    fields = dataclasses.astuple(dataclasses.replace(INTERP_CONFIG, lightning_fused=fused))
     got = _ops._lightning_indices_impl(q, k, w, starts, ends, 10, rows, *fields)
     assert torch.equal(got, want)
 

@@ -181,13 +181,15 @@ def _check_split_logits(t_q, t_kv, heads, d, config, device):
     gen = seeded_gen("split", t_q, t_kv, heads)
     q, k, w = indexer_inputs(t_q, t_kv, heads, d, gen, device)
     starts, ends = _long_ranges(t_q, t_kv, gen, device)
-    blocks = -(-t_q // max(1, config.logits_block_rows // heads))
+    hp = 1 << (heads - 1).bit_length()  # the kernel pads heads to a power of two
+    blocks = -(-t_q // max(1, config.logits_block_rows // hp))
     assert logits_kernel._split_n(blocks, t_kv, config.logits_block_n, q.device) < t_kv
     _check_logits(q, k, w, starts, ends, config)
 
 
 @interp_only
 def test_cpu_interp_logits_key_chunks(monkeypatch):
+    # The interpreter counts one SM: 16 programs, chunks of 16+ keys.
     monkeypatch.setattr(logits_kernel, "_PROGRAMS_PER_SM", 16)
     monkeypatch.setattr(logits_kernel, "_MIN_SPLIT_N", 16)
     _check_split_logits(9, 150, 8, 16, INTERP_CONFIG, "cpu")

@@ -83,8 +83,9 @@ def main() -> None:
               f" dq finite={bool(torch.isfinite(iq.grad.float()).all())}")  # fmt: skip
         iq.grad = ik.grad = iw.grad = None
     # A context-parallel shard: 200 queries (the last of a 9000-token sequence, a 1-token
-    # segment among them) against all its keys, 64-row blocks: each logits launch has too few
-    # query blocks to fill the GPU and splits the keys into chunks.
+    # segment among them) against all its keys, a 64-row budget (32-row blocks on two
+    # streams): each logits launch has too few query blocks to fill the GPU and splits the keys
+    # into chunks.
     t, t_kv = 200, 9000
     cu = torch.tensor([0, 8899, 8900, t_kv], device="cuda", dtype=torch.int32)
     starts, ends = causal_ranges(cu, t, query_offset=t_kv - t)

@@ -356,19 +356,28 @@ class _Blocks:
     """
 
     def __init__(self, rows, indices, step, slots, cfg):
-        self.rows, self.indices, self.step = rows, indices, max(step, 1)
+        self.rows, self.indices, self.step = rows, indices, step
         self.slots, self.cfg = slots, cfg
         q, k, _, starts, ends = rows
-        self.count = -(-q.shape[0] // self.step)
+        self.count = -(-q.shape[0] // step)
+        # The kernels' launchers, bound once (imported here: triton is a Linux-only dependency).
         if slots:
+            from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
+
+            self.fused = indexer_logits_topk_into
             return
         from topk import TopkConfig
         from topk import resolve_config as topk_config
-        from topk._triton import launch_plan
+        from topk._triton import launch_plan, ranged_topk_into
 
+        from dsa_indexer._triton.logits import indexer_logits_into
+
+        self.logits, self.topk = indexer_logits_into, ranged_topk_into
         t_kv = k.shape[0]
-        row = topk_config(q).config if q.is_cuda else TopkConfig()
-        self.launch = launch_plan(row, t_kv, self.indices.shape[1])
+        # The Triton indexer runs on CUDA devices, whose top-k table rows are Triton ones, or
+        # under the interpreter on CPU tensors (the top-k's default tiling there).
+        topk_cfg = topk_config(q).config if q.is_cuda else TopkConfig()
+        self.launch = launch_plan(topk_cfg, t_kv, self.indices.shape[1])
         self.lo = starts.clamp(0, t_kv)
         self.hi = ends.clamp(0, t_kv)
         self.counters = torch.zeros(self.count, dtype=torch.int32, device=q.device)
@@ -396,17 +405,11 @@ class _Blocks:
         part = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
         indices = self.indices[r0:r1]
         if self.slots:
-            from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
-
-            indexer_logits_topk_into(indices, *buffer, *part, config=self.cfg)
+            self.fused(indices, *buffer, *part, config=self.cfg)
         else:
-            from topk._triton import ranged_topk_into
-
-            from dsa_indexer._triton.logits import indexer_logits_into
-
             logits = buffer[0][: r1 - r0]
-            indexer_logits_into(logits, *part, False, config=self.cfg)
-            ranged_topk_into(
+            self.logits(logits, *part, False, config=self.cfg)
+            self.topk(
                 indices,
                 logits,
                 self.lo[r0:r1],
@@ -419,24 +422,26 @@ class _Blocks:
 
 def _blocks_on_lanes(blocks: _Blocks) -> None:
     """Blocks (half the budget each) alternating between two streams, each with its own
-    buffer. A block's logits grid alone is under two waves (2048 rows at 128k keys are 512
-    programs), so on one stream each block ends with a partly idle GPU; two independent blocks
-    in flight fill it, and one block's top-k overlaps the other's logits. Both streams start
-    after, and the caller's stream continues after, all the blocks (CUDA-graph capture records
-    the fork and the join)."""
+    buffer: one block's top-k (memory-bound) overlaps the other's logits (tensor cores), and
+    each launch's ramp and drain is filled by the other stream's work (one stream took the 128k
+    causal forward from 172 to 191 ms). Both streams start after, and the caller's stream
+    continues after, all the blocks (CUDA-graph capture records the fork and the join)."""
     device = blocks.rows[0].device
     main = torch.cuda.current_stream(device)
     lanes = _lanes(device)
     buffers = [blocks.buffer() for _ in lanes]
     for lane in lanes:
         lane.wait_stream(main)
-    for i in range(blocks.count):
-        with torch.cuda.stream(lanes[i % 2]):
-            blocks.run(i, buffers[i % 2])
-    for lane in lanes:
-        main.wait_stream(lane)
-    # The buffers (and the shared clipped ranges and counters) were allocated on the caller's
-    # stream, which has waited for both lanes: they may be reused from here on.
+    try:
+        for i in range(blocks.count):
+            with torch.cuda.stream(lanes[i % 2]):
+                blocks.run(i, buffers[i % 2])
+    finally:
+        # Also after a failed launch: the buffers (and the shared clipped ranges and counters)
+        # were allocated on the caller's stream, which must wait for the work queued on both
+        # lanes before the allocator may reuse them.
+        for lane in lanes:
+            main.wait_stream(lane)
 
 
 _lightning_indices_op = define_config_op(
@@ -471,9 +476,11 @@ def lightning_indexer(
     on two streams), so at most ``logits_budget_bytes`` of working memory exist at once (default
     1 GiB), never the whole ``[T, T_kv]`` logits: the extra memory does not grow with
     ``T * T_kv``. A block's working memory is either its fp32 logits (``4 * T_kv`` bytes a row),
-    which ``ranged_topk`` then reduces, or, where the config sets ``lightning_fused``, the
-    candidate lists of the fused logits -> top-k kernel (``8 * slots + 4`` bytes a row, 32 KB at
-    topk 2048, independent of ``T_kv``), which never stores the logits. The budget must hold
+    which the ranged top-k kernel then reduces (plus its candidate scratch, outside the budget:
+    about 70 MB per stream at topk 2048 on an H200), or, where the config sets
+    ``lightning_fused``, the candidate lists of the fused logits -> top-k kernel
+    (``8 * slots + 4`` bytes a row, 32 KB at topk 2048, independent of ``T_kv``), which never
+    stores the logits. The budget must hold
     one row (a ``ValueError`` says how many bytes). Either way the indices are bit for bit those
     of one pass over the whole logits. No host synchronisation (CUDA graphs and
     ``torch.compile`` see one op).

@@ -1,7 +1,9 @@
 """Triton kernel for the indexer logits over per-query key ranges.
 
-One program owns ``BLOCK_M`` consecutive queries and scans only the union of their key ranges
-(``min start .. max end``) in ``BLOCK_N``-key tiles. The ``BLOCK_M * HP`` (query, head) pairs
+One program owns ``BLOCK_M`` consecutive queries and one chunk of the keys (all of them unless
+the launch has too few query blocks to fill the GPU, see ``_split_n``), and scans only the part
+of the union of their key ranges (``min start .. max end``) inside its chunk, in ``BLOCK_N``-key
+tiles. The ``BLOCK_M * HP`` (query, head) pairs
 form the N side of one tensor-core product per tile, ``k_tile [BLOCK_N, D] @ q_blockᵀ [D,
 BLOCK_M * HP]``, so that the head reduction runs along the accumulator's columns: inside each
 thread and across the lanes of a quad, with no trip through shared memory (with queries on the
@@ -24,8 +26,8 @@ _FILL_ELEMENTS = 4096
 # A launch with fewer query blocks than this many per SM splits the keys into chunks (one
 # program per block and chunk) until it has about that many programs: a lightning block of
 # 1024 queries is only 256 query blocks, each a serial scan of up to 128k keys, which leaves
-# most of the GPU idle. Chunks hold at least _MIN_SPLIT_N keys (64 tiles), so that the query
-# block's operand load stays a small part of a program.
+# most of the GPU idle. Chunks hold about _MIN_SPLIT_N keys or more (64 tiles; at least half
+# of it), so that the query block's operand load stays a small part of a program.
 _PROGRAMS_PER_SM = 16
 _MIN_SPLIT_N = 4096
 
@@ -270,11 +272,12 @@ def indexer_logits_into(
 
 def _split_n(blocks: int, t_kv: int, block_n: int, device: torch.device) -> int:
     """Keys per program's chunk for a launch of ``blocks`` query blocks: all of them (one chunk)
-    when the blocks alone fill the GPU, else chunks of a whole number of tiles, at least
-    ``_MIN_SPLIT_N`` keys, few enough that blocks x chunks reach ``_PROGRAMS_PER_SM`` per SM.
-    Depends only on shapes (no host synchronisation); every chunk computes the same logits."""
+    when the blocks alone fill the GPU, else chunks of a whole number of tiles, no more of them
+    than ``ceil(T_kv / _MIN_SPLIT_N)``, few enough that blocks x chunks reach
+    ``_PROGRAMS_PER_SM`` per SM. ``T_kv >= 1``. Depends only on shapes (no host
+    synchronisation); every chunk computes the same logits."""
     target = _PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
     if blocks >= target or t_kv <= _MIN_SPLIT_N:
-        return max(t_kv, 1)
+        return t_kv
     splits = min(triton.cdiv(target, blocks), triton.cdiv(t_kv, _MIN_SPLIT_N))
     return triton.cdiv(triton.cdiv(t_kv, splits), block_n) * block_n

@@ -166,7 +166,9 @@ def ranged_topk_into(
     scratch: ``lists`` from :func:`topk_scratch` for at least ``R`` rows and ``counter`` one
     int32 that is 0 (the launch leaves it at R + programs). For callers that launch many times
     (one query block after another) and so keep allocations and small launches off the host's
-    path; ``lo``, ``hi`` contiguous and ``scores`` non-empty, as validated by the op."""
+    path. The caller guarantees what the op would check: ``scores`` ``[R, N]`` with unit column
+    stride and R, N >= 1; ``lo``, ``hi`` contiguous int32 ``[R]`` already clipped to
+    ``[0, N]``."""
     rows = scores.shape[0]
     programs = topk_programs(rows, scores.device, launch)
     _ranged_topk_kernel[(programs,)](
