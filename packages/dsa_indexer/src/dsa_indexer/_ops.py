@@ -356,23 +356,16 @@ class _Blocks:
     """
 
     def __init__(self, rows, indices, step, slots, cfg):
-        self.rows, self.indices, self.step = rows, indices, step
+        self.rows, self.indices, self.step = rows, indices, max(step, 1)
         self.slots, self.cfg = slots, cfg
         q, k, _, starts, ends = rows
-        self.count = -(-q.shape[0] // step)
-        # The kernels' launchers, bound once (imported here: triton is a Linux-only dependency).
+        self.count = -(-q.shape[0] // self.step)
         if slots:
-            from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
-
-            self.fused = indexer_logits_topk_into
             return
         from topk import TopkConfig
         from topk import resolve_config as topk_config
-        from topk._triton import launch_plan, ranged_topk_into
+        from topk._triton import launch_plan
 
-        from dsa_indexer._triton.logits import indexer_logits_into
-
-        self.logits, self.topk = indexer_logits_into, ranged_topk_into
         t_kv = k.shape[0]
         # The Triton indexer runs on CUDA devices, whose top-k table rows are Triton ones, or
         # under the interpreter on CPU tensors (the top-k's default tiling there).
@@ -405,11 +398,17 @@ class _Blocks:
         part = (q[r0:r1], k, weights[r0:r1], starts[r0:r1], ends[r0:r1])
         indices = self.indices[r0:r1]
         if self.slots:
-            self.fused(indices, *buffer, *part, config=self.cfg)
+            from dsa_indexer._triton.logits_topk import indexer_logits_topk_into
+
+            indexer_logits_topk_into(indices, *buffer, *part, config=self.cfg)
         else:
+            from topk._triton import ranged_topk_into
+
+            from dsa_indexer._triton.logits import indexer_logits_into
+
             logits = buffer[0][: r1 - r0]
-            self.logits(logits, *part, False, config=self.cfg)
-            self.topk(
+            indexer_logits_into(logits, *part, False, config=self.cfg)
+            ranged_topk_into(
                 indices,
                 logits,
                 self.lo[r0:r1],
@@ -432,16 +431,13 @@ def _blocks_on_lanes(blocks: _Blocks) -> None:
     buffers = [blocks.buffer() for _ in lanes]
     for lane in lanes:
         lane.wait_stream(main)
-    try:
-        for i in range(blocks.count):
-            with torch.cuda.stream(lanes[i % 2]):
-                blocks.run(i, buffers[i % 2])
-    finally:
-        # Also after a failed launch: the buffers (and the shared clipped ranges and counters)
-        # were allocated on the caller's stream, which must wait for the work queued on both
-        # lanes before the allocator may reuse them.
-        for lane in lanes:
-            main.wait_stream(lane)
+    for i in range(blocks.count):
+        with torch.cuda.stream(lanes[i % 2]):
+            blocks.run(i, buffers[i % 2])
+    for lane in lanes:
+        main.wait_stream(lane)
+    # The buffers (and the shared clipped ranges and counters) were allocated on the caller's
+    # stream, which has waited for both lanes: they may be reused from here on.
 
 
 _lightning_indices_op = define_config_op(

@@ -274,10 +274,10 @@ def _split_n(blocks: int, t_kv: int, block_n: int, device: torch.device) -> int:
     """Keys per program's chunk for a launch of ``blocks`` query blocks: all of them (one chunk)
     when the blocks alone fill the GPU, else chunks of a whole number of tiles, no more of them
     than ``ceil(T_kv / _MIN_SPLIT_N)``, few enough that blocks x chunks reach
-    ``_PROGRAMS_PER_SM`` per SM. ``T_kv >= 1``. Depends only on shapes (no host
+    ``_PROGRAMS_PER_SM`` per SM. Depends only on shapes (no host
     synchronisation); every chunk computes the same logits."""
     target = _PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
     if blocks >= target or t_kv <= _MIN_SPLIT_N:
-        return t_kv
+        return max(t_kv, 1)
     splits = min(triton.cdiv(target, blocks), triton.cdiv(t_kv, _MIN_SPLIT_N))
     return triton.cdiv(triton.cdiv(t_kv, splits), block_n) * block_n
