@@ -356,7 +356,7 @@ class _Blocks:
     """
 
     def __init__(self, rows, indices, step, slots, cfg):
-        self.rows, self.indices, self.step = rows, indices, max(step, 1)
+        self.rows, self.indices, self.step = rows, indices, step  # >= 1: T, T_kv >= 1 here
         self.slots, self.cfg = slots, cfg
         q, k, _, starts, ends = rows
         self.count = -(-q.shape[0] // self.step)

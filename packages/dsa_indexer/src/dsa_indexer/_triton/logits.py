@@ -278,6 +278,6 @@ def _split_n(blocks: int, t_kv: int, block_n: int, device: torch.device) -> int:
     synchronisation); every chunk computes the same logits."""
     target = _PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1)
     if blocks >= target or t_kv <= _MIN_SPLIT_N:
-        return max(t_kv, 1)
+        return t_kv  # >= 1: indexer_logits_into returns before launching without keys
     splits = min(triton.cdiv(target, blocks), triton.cdiv(t_kv, _MIN_SPLIT_N))
     return triton.cdiv(triton.cdiv(t_kv, splits), block_n) * block_n
