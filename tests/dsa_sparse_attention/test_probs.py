@@ -1,20 +1,36 @@
-"""sparse_attention_probs: the torch reference and the Triton kernel against a dense fp64 target."""
+"""sparse_attention_probs: the torch reference, the Triton kernel and the TileLang kernel (Hopper)
+against a dense fp64 target or the fp32 reference.
+
+CPU: the reference against the dense target, the Triton kernel under the interpreter, the
+kernel choice per arch and width, the TileLang kernel's sm_90a builds and refusals. GPU: both
+kernels (the public entry's choice and the Triton one forced) against the fp32 reference over
+head counts (one and two head blocks, a partial one), widths, groups, padding patterns and the
+TileLang kernel's block counts 1, 2, 3, 5 (its two consumer warpgroups take the blocks in
+turn); CUDA-graph replays, no recompilation across lengths.
+"""
+
+import sys
 
 import pytest
 import torch
 from dsa_bench.dense import dense_attention
-from dsa_sparse_attention import sparse_attention, sparse_attention_probs
+from dsa_sparse_attention import _probs, sparse_attention, sparse_attention_probs
 from dsa_sparse_attention._triton import split_width
-from kernel_common.testing import assert_close
+from kernel_common import ARCH_ENV
+from kernel_common.testing import assert_close, poisoned
 from support import (
     as_padding,
     attention_indices,
     attention_inputs,
+    check_graph_replays,
+    fake_cuda,
     interp_only,
     not_interpreted,
     run_interpreted,
     seeded_gen,
 )
+
+SM90A = "sm_90a"
 
 
 def dense_target(q, kv, indices, sm_scale, d_v, sink):
@@ -125,20 +141,117 @@ def test_cpu_interp_kernel(case):
     assert_close(got, want, name="target")
 
 
+def test_kernel_choice(monkeypatch):
+    """Hopper runs the TileLang kernel for every width it supports (D a multiple of 64 from 128
+    up, two K stages in shared memory: up to 832), the Triton kernel otherwise; other CUDA archs run
+    Triton; CPU tensors the reference."""
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+    choice = _probs._gpu_kernel
+    assert choice(fake_cuda(1, 1, 64, 576)) == "tilelang"
+    assert choice(fake_cuda(1, 1, 128, 576)) == "tilelang"
+    assert choice(fake_cuda(1, 1, 8, 512)) == "tilelang"
+    assert choice(fake_cuda(1, 1, 8, 80)) == "triton"
+    assert choice(fake_cuda(1, 1, 64, 1024)) == "triton"
+    monkeypatch.setenv(ARCH_ENV, "sm_100")
+    assert choice(fake_cuda(1, 1, 64, 576)) == "triton"
+    assert choice(torch.zeros(1, 1, 64, 576)) is None
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] = 100 .* for the Triton kernel"):
+        sparse_attention_probs(
+            fake_cuda(1, 1, 4, 100),
+            fake_cuda(1, 1, 1, 100),
+            fake_cuda(1, 1, 1, 8, dtype=torch.int32),
+            fake_cuda(1, 1, 4, dtype=torch.float32),
+        )
+
+
+# (heads, groups, D, topk_padded) of the TileLang kernel: glm5 TP 1 and 8 (2112 = 33 blocks),
+# two head blocks of 64, a partial second head block (70 = 64 + 6), dsv4.1's width with
+# groups, a small width (64 + 64 + 64 columns, four stages), one head; the first two build by
+# default.
+_TL_VARIANTS = [
+    (64, 1, 576, 2048),
+    (70, 1, 512, 64),
+    pytest.param((8, 1, 576, 2112), marks=pytest.mark.slow),
+    pytest.param((128, 1, 576, 128), marks=pytest.mark.slow),
+    pytest.param((16, 2, 512, 640), marks=pytest.mark.slow),
+    pytest.param((8, 1, 192, 192), marks=pytest.mark.slow),
+    pytest.param((1, 1, 576, 320), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+@pytest.mark.parametrize("variant", _TL_VARIANTS, ids=str)
+def test_tilelang_compiles_for_sm90a(variant, tmp_path):
+    """The kernel lowers to register-A wgmma fed by the cp.async gather and builds for sm_90a
+    (no GPU)."""
+    from dsa_sparse_attention._tilelang import probs
+
+    heads, groups, dim, topk_padded = variant
+    kernel = probs.compile_probs(heads, groups, dim, topk_padded, SM90A)
+    src = kernel.get_kernel_source()
+    assert "tl::wgmma_rs<" in src, "S = Q K^T must take Q from registers"
+    assert "cp_async_gs" in src and "mbarrier_cp_async_arrive_noinc" in src, "gather path"
+    assert "run_batch" in src, "one batched head reduction per block"
+    assert "__launch_bounds__(256, 1)" in src
+    n_hblk = probs.head_blocks(heads, groups)
+    out = kernel.prim_func.buffer_map[kernel.prim_func.params[4]]
+    assert [str(x) for x in out.shape] == [str(n_hblk), "batch", "seq_len", str(groups), "topk"]
+    kernel.export_library(str(tmp_path / "probs.so"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+def test_tilelang_refuses_before_compiling():
+    from dsa_sparse_attention._tilelang import probs
+
+    assert [probs.head_blocks(h, g) for h, g in ((64, 1), (8, 1), (70, 1), (128, 2))] == [
+        1,
+        1,
+        2,
+        1,
+    ]
+    assert probs.column_split(576) == (256, 64) and probs.column_split(512) == (256, 0)
+    # Three 64-key stages at the model widths (what the kernel is designed for), two up to 832.
+    assert (probs.stages(576), probs.stages(512), probs.stages(832), probs.stages(896)) == (
+        3,
+        3,
+        2,
+        1,
+    )
+    for args, match in [
+        ((6, 4, 576, 64), "positive multiple of groups"),
+        ((8, 1, 80, 64), "D = 80"),
+        ((64, 1, 896, 64), "D = 896"),
+        ((8, 1, 576, 100), "topk_padded = 100"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            probs.compile_probs(*args, SM90A)
+
+
+# (heads, groups, D, topk, pattern): model widths and head counts, one and two head blocks (a
+# partial one at 70 and 96 heads), groups, a width only the Triton kernel runs (80), and the
+# TileLang kernel's block counts 1 (topk 1 and 64: its second consumer idle), 2 (100, a partial
+# last block), 3 (192), 5 (320).
+_GPU_CASES = [
+    (64, 1, 576, 2048, "causal"),
+    (8, 1, 576, 2112, "out_of_range"),
+    (16, 1, 512, 640, "mixed"),
+    (128, 1, 576, 64, "empty_rows"),
+    (32, 2, 512, 100, "shuffled"),
+    (1, 1, 576, 1, "all"),
+    (70, 1, 576, 192, "duplicates"),
+    (96, 2, 512, 320, "out_of_range"),
+    (8, 1, 192, 320, "tail"),
+    (4, 1, 80, 50, "mixed"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "heads,groups,d,topk,pattern",
-    [
-        (64, 1, 576, 2048, "causal"),
-        (8, 1, 576, 2112, "out_of_range"),
-        (16, 1, 512, 640, "mixed"),
-        (128, 1, 576, 64, "empty_rows"),
-        (32, 2, 512, 100, "shuffled"),
-        (1, 1, 576, 1, "all"),
-    ],
-)
-def test_gpu_against_reference(heads, groups, d, topk, pattern):
-    """The kernel on the GPU against the fp32 reference (every output element written)."""
+@pytest.mark.parametrize("forced_triton", [False, True], ids=["entry", "triton"])
+@pytest.mark.parametrize("heads,groups,d,topk,pattern", _GPU_CASES)
+def test_gpu_against_reference(heads, groups, d, topk, pattern, forced_triton):
+    """The entry's kernel (TileLang on Hopper where it runs the width) and the Triton kernel on
+    the GPU against the fp32 reference; every output element written."""
+    from dsa_sparse_attention._triton import sparse_attention_probs_triton
     from dsa_sparse_attention.reference import sparse_attention_probs_reference
 
     gen = seeded_gen("probs gpu", heads, groups, d, topk, pattern)
@@ -148,14 +261,52 @@ def test_gpu_against_reference(heads, groups, d, topk, pattern):
     # The reference forward rejects out-of-range entries: it gets them as -1.
     padded = as_padding(idx, s_kv)
     _, lse = sparse_attention(
-        q, kv, padded, d_v=512, attn_sink=sink, return_lse=True, config=_torch_forward()
+        q, kv, padded, d_v=64, attn_sink=sink, return_lse=True, config=_torch_forward()
     )
     # Fill the allocator's next block with NaN, so that an unwritten output element shows.
-    torch.full((1, s, groups, topk), float("nan"), device="cuda")
-    got = sparse_attention_probs(q, kv, idx, lse)
+    poisoned((1, s, groups, topk * 2), torch.float32, "cuda")
+    if forced_triton:
+        got = sparse_attention_probs_triton(q, kv, idx, lse, d**-0.5)
+    else:
+        got = sparse_attention_probs(q, kv, idx, lse)
     assert not torch.isnan(got).any()
     want = sparse_attention_probs_reference(q, kv, padded, lse, d**-0.5)
     assert_close(got, want, name="target")
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_and_lengths():
+    """The entry under CUDA-graph capture and replay with new inputs, and new lengths without a
+    new compile (batch, S, S_kv and the topk within one 64-key bucket are dynamic)."""
+    from dsa_sparse_attention.reference import sparse_attention_probs_reference
+
+    gen = seeded_gen("probs graphs")
+    heads, d = 64, 576
+
+    def inputs(b, s, s_kv, topk):
+        q, kv, _ = attention_inputs(b, s, s_kv, heads, 1, d, gen, device="cuda")
+        idx = attention_indices(b, s, 1, topk, s_kv, "shuffled", gen, device="cuda")
+        lse = torch.randn(b, s, heads, generator=gen).cuda() + 8
+        return q, kv, idx, lse
+
+    def reference(q, kv, idx, lse):
+        return sparse_attention_probs_reference(q, kv, idx, lse, d**-0.5)
+
+    cases = [inputs(2, 40, 500, 200), inputs(2, 40, 500, 200)]
+    for case in cases:
+        assert_close(sparse_attention_probs(*case), reference(*case), name="eager")
+    # Replays give the eager run's bits (the eager runs are checked above).
+    check_graph_replays(sparse_attention_probs, cases, sparse_attention_probs)
+    first = cases[0]
+    if _probs._gpu_kernel(first[0]) == "tilelang":
+        from dsa_sparse_attention._tilelang.probs import compile_probs
+
+        before = compile_probs.cache_info()
+        for shape in ((1, 33, 900, 250), (3, 7, 64, 193)):
+            case = inputs(*shape)
+            assert_close(sparse_attention_probs(*case), reference(*case), name=f"{shape}")
+        after = compile_probs.cache_info()
+        assert (after.misses, after.currsize) == (before.misses, before.currsize)
 
 
 def _torch_forward():

@@ -4,7 +4,7 @@ Covers the padding cases the kernels must survive without touching memory out of
 tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
 that is not a block multiple. Each case runs the public ``sparse_attention`` (forward and
 backward, the table's row for its shape, then its deterministic row) and
-``sparse_attention_probs`` on the same indices;
+``sparse_attention_probs`` on the same indices (and at 8 and 70 heads: its head blocks);
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
 logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
 ``indexer_kl_loss``
@@ -59,6 +59,14 @@ def main() -> None:
         target = sparse_attention_probs(q.detach(), kv.detach(), idx, lse.detach())
         torch.cuda.synchronize()
         print(f"  target finite={bool(torch.isfinite(target).all())}")
+    # The probs kernel's head blocks: 8 heads (16-wide MMAs), 70 (a full and a partial block).
+    for heads in (8, 70):
+        q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
+        lse = torch.randn(b, s, heads, device="cuda", generator=gen) + 8
+        target = sparse_attention_probs(q, kv, idx, lse)  # the last case's padded indices
+        torch.cuda.synchronize()
+        print(f"probs heads={heads}: target finite={bool(torch.isfinite(target).all())}")
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
     # then the KL loss; with the two passes and with the fused logits -> top-k kernel (lists of
     # 128 entries, compacted once a range passes 64 keys).

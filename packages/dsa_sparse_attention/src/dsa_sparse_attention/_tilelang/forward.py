@@ -151,6 +151,91 @@ def check_forward_config(
         )
 
 
+def gather_warpgroup_macro(
+    half: int,
+    tail: int,
+    block_i: int,
+    num_stages: int,
+    n_blocks: int,
+    topk,
+    seq_len_kv,
+    producer_first_thread: int,
+):
+    """The producer of a program that walks one index row in ``n_blocks`` blocks of ``block_i``
+    keys, shared by the forward and ``sparse_attention_probs``' kernel: the macro
+    ``gather_warpgroup(k)``, run by threads ``producer_first_thread`` and the 127 after it.
+
+    It loads each block's indices, gathers the rows' ``half + half + tail`` columns into the
+    stage buffers ``k.kv_l`` / ``k.kv_r`` / ``k.k_t`` (``[num_stages, block_i, ...]``) and
+    writes ``k.valid[stage, row]``, then completes ``k.k_ready[stage]`` (256 arrivals: 128
+    ``cp.async`` ones, 128 plain); it refills a stage once ``k.k_free[stage]`` has completed the
+    previous use's phase. ``topk`` and ``seq_len_kv`` are the kernel's dynamic sizes; ``k`` also
+    carries ``KV``, ``Indices``, ``b``, ``s``, ``g``, ``tx`` and the ``idx`` registers
+    (``block_i // 16`` int32).
+    """
+    bi, ns = block_i, num_stages
+    passes = bi // _PRODUCER_ROWS
+
+    @T.macro
+    def load_indices(k, j, tp):
+        """Producer thread tp: the indices of its rows of block j (one per pass)."""
+        # Row r * 16 + tp // 8 of each pass; columns past the real topk are padding.
+        for r in T.unroll(passes):
+            col = j * bi + r * _PRODUCER_ROWS + tp // 8
+            k.idx[r] = T.if_then_else(col < topk, k.Indices[k.b, k.s, k.g, col], -1)
+
+    @T.macro
+    def gather_block(k, j, tp):
+        """Producer thread tp: cp.async its chunks of block j's K/V rows into stage j % ns and
+        write the block's mask, once the consumers have released that stage."""
+        s = j % ns
+        # Phase j // ns - 1 of k_free[s]: the consumers released block j - ns.
+        T.barrier_wait(k.k_free[s], (j // ns + 1) % 2)
+        c0 = (tp % 8) * 8  # this thread's 16-byte chunk of every 128-byte segment
+        for r in T.unroll(passes):
+            row = r * _PRODUCER_ROWS + tp // 8
+            idx = k.idx[r]
+            if tp % 8 == 0:
+                k.valid[s, row] = (idx >= 0) & (idx < seq_len_kv)
+            src = T.min(T.max(idx, 0), seq_len_kv - 1)
+            for u in T.unroll(half // 64):
+                T.ptx_cp_async(
+                    T.access_ptr(k.kv_l[s, row, u * 64 + c0], "w", 8),
+                    T.access_ptr(k.KV[k.b, src, k.g, u * 64 + c0], "r", 8),
+                    8,
+                )
+            for u in T.unroll(half // 64):
+                T.ptx_cp_async(
+                    T.access_ptr(k.kv_r[s, row, u * 64 + c0], "w", 8),
+                    T.access_ptr(k.KV[k.b, src, k.g, half + u * 64 + c0], "r", 8),
+                    8,
+                )
+            if tail > 0:
+                for u in T.unroll(tail // 64):
+                    T.ptx_cp_async(
+                        T.access_ptr(k.k_t[s, row, u * 64 + c0], "w", 8),
+                        T.access_ptr(k.KV[k.b, src, k.g, 2 * half + u * 64 + c0], "r", 8),
+                        8,
+                    )
+        # The plain arrival releases the mask stores; the cp.async arrival fires once this
+        # thread's copies have landed.
+        T.barrier_arrive(k.k_ready[s])
+        T.cp_async_barrier_noinc(k.k_ready[s])
+
+    @T.macro
+    def gather_warpgroup(k):
+        """The producer warpgroup: every block's indices, K/V rows and mask."""
+        T.set_max_nreg(80, 0)
+        tp = k.tx - producer_first_thread
+        load_indices(k, 0, tp)
+        for j in T.serial(n_blocks):
+            gather_block(k, j, tp)
+            if j + 1 < n_blocks:
+                load_indices(k, j + 1, tp)  # in flight while this block's copies land
+
+    return gather_warpgroup
+
+
 def build_forward(
     heads: int,
     groups: int,
@@ -179,11 +264,14 @@ def build_forward(
     half = d_v // 2
     tail = dim - d_v
     n_blocks = topk_padded // bi
-    n_rounds, n_rest = divmod(n_blocks, ns)
     passes = bi // _PRODUCER_ROWS
 
     dtype, accum, idx_t = "bfloat16", "float32", "int32"
     batch, seq_len, seq_len_kv, topk = T.dynamic("batch, seq_len, seq_len_kv, topk")
+    n_rounds, n_rest = divmod(n_blocks, ns)
+    gather_warpgroup = gather_warpgroup_macro(
+        half, tail, bi, ns, n_blocks, topk, seq_len_kv, producer_first_thread=256
+    )
 
     # Macros cannot see the kernel's locals: they take its buffers in one namespace `k`. Head
     # rows at or past `k.h_lim` are padding of a partial head block: loaded as 0, never stored.
@@ -325,63 +413,6 @@ def build_forward(
         T.barrier_wait(k.fin, 0)
         T.copy(k.fac_sh, k.alpha_r)
         store_output_half(k, k.acc_o_r, k.alpha_r, k.q_r, half)
-
-    @T.macro
-    def load_indices(k, j, tp):
-        """Producer thread tp: the indices of its rows of block j (one per pass)."""
-        # Row r * 16 + tp // 8 of each pass; columns past the real topk are padding.
-        for r in T.unroll(passes):
-            col = j * bi + r * _PRODUCER_ROWS + tp // 8
-            k.idx[r] = T.if_then_else(col < topk, k.Indices[k.b, k.s, k.g, col], -1)
-
-    @T.macro
-    def gather_block(k, j, tp):
-        """Producer thread tp: cp.async its chunks of block j's K/V rows into stage j % ns and
-        write the block's mask, once both consumers have released that stage."""
-        s = j % ns
-        # Phase j // ns - 1 of k_free[s]: both consumers released block j - ns.
-        T.barrier_wait(k.k_free[s], (j // ns + 1) % 2)
-        c0 = (tp % 8) * 8  # this thread's 16-byte chunk of every 128-byte segment
-        for r in T.unroll(passes):
-            row = r * _PRODUCER_ROWS + tp // 8
-            idx = k.idx[r]
-            if tp % 8 == 0:
-                k.valid[s, row] = (idx >= 0) & (idx < seq_len_kv)
-            src = T.min(T.max(idx, 0), seq_len_kv - 1)
-            for u in T.unroll(half // 64):
-                T.ptx_cp_async(
-                    T.access_ptr(k.kv_l[s, row, u * 64 + c0], "w", 8),
-                    T.access_ptr(k.KV[k.b, src, k.g, u * 64 + c0], "r", 8),
-                    8,
-                )
-            for u in T.unroll(half // 64):
-                T.ptx_cp_async(
-                    T.access_ptr(k.kv_r[s, row, u * 64 + c0], "w", 8),
-                    T.access_ptr(k.KV[k.b, src, k.g, half + u * 64 + c0], "r", 8),
-                    8,
-                )
-            if tail > 0:
-                for u in T.unroll(tail // 64):
-                    T.ptx_cp_async(
-                        T.access_ptr(k.k_t[s, row, u * 64 + c0], "w", 8),
-                        T.access_ptr(k.KV[k.b, src, k.g, d_v + u * 64 + c0], "r", 8),
-                        8,
-                    )
-        # The plain arrival releases the mask stores; the cp.async arrival fires once this
-        # thread's copies have landed.
-        T.barrier_arrive(k.k_ready[s])
-        T.cp_async_barrier_noinc(k.k_ready[s])
-
-    @T.macro
-    def gather_warpgroup(k):
-        """Warpgroup 2 (producer): every block's indices, K/V rows and mask."""
-        T.set_max_nreg(80, 0)
-        tp = k.tx - 256
-        load_indices(k, 0, tp)
-        for j in T.serial(n_blocks):
-            gather_block(k, j, tp)
-            if j + 1 < n_blocks:
-                load_indices(k, j + 1, tp)  # in flight while this block's copies land
 
     @T.prim_func
     def sparse_attention_fwd(
