@@ -1,12 +1,11 @@
-"""sparse_attention_probs: the torch reference, the Triton kernel and the TileLang kernel (Hopper)
-against a dense fp64 target or the fp32 reference.
+"""sparse_attention_probs: the torch reference, the Triton kernel (the public entry's on CUDA)
+and the Hopper TileLang kernel against a dense fp64 target or the fp32 reference.
 
 CPU: the reference against the dense target, the Triton kernel under the interpreter, the
-kernel choice per arch and width, the TileLang kernel's sm_90a builds and refusals. GPU: both
-kernels (the public entry's choice and the Triton one forced) against the fp32 reference over
-head counts (one and two head blocks, a partial one), widths, groups, padding patterns and the
-TileLang kernel's block counts 1, 2, 3, 5 (its two consumer warpgroups take the blocks in
-turn); CUDA-graph replays, no recompilation across lengths.
+TileLang kernel's sm_90a builds and refusals. GPU: the entry and the TileLang kernel against
+the fp32 reference over head counts (one and two head blocks, a partial one), widths, groups,
+padding patterns and the TileLang kernel's block counts 1, 2, 3, 5 against its 3 stages;
+CUDA-graph replays, no recompilation across lengths.
 """
 
 import sys
@@ -14,16 +13,15 @@ import sys
 import pytest
 import torch
 from dsa_bench.dense import dense_attention
-from dsa_sparse_attention import _probs, sparse_attention, sparse_attention_probs
+from dsa_sparse_attention import sparse_attention, sparse_attention_probs
 from dsa_sparse_attention._triton import split_width
-from kernel_common import ARCH_ENV
+from kernel_common import device_arch
 from kernel_common.testing import assert_close, poisoned
 from support import (
     as_padding,
     attention_indices,
     attention_inputs,
     check_graph_replays,
-    fake_cuda,
     interp_only,
     not_interpreted,
     run_interpreted,
@@ -141,29 +139,6 @@ def test_cpu_interp_kernel(case):
     assert_close(got, want, name="target")
 
 
-def test_kernel_choice(monkeypatch):
-    """Hopper runs the TileLang kernel for every width it supports (D a multiple of 64 from 128
-    up, two K stages in shared memory: up to 832), the Triton kernel otherwise; other CUDA archs run
-    Triton; CPU tensors the reference."""
-    monkeypatch.setenv(ARCH_ENV, "sm_90")
-    choice = _probs._gpu_kernel
-    assert choice(fake_cuda(1, 1, 64, 576)) == "tilelang"
-    assert choice(fake_cuda(1, 1, 128, 576)) == "tilelang"
-    assert choice(fake_cuda(1, 1, 8, 512)) == "tilelang"
-    assert choice(fake_cuda(1, 1, 8, 80)) == "triton"
-    assert choice(fake_cuda(1, 1, 64, 1024)) == "triton"
-    monkeypatch.setenv(ARCH_ENV, "sm_100")
-    assert choice(fake_cuda(1, 1, 64, 576)) == "triton"
-    assert choice(torch.zeros(1, 1, 64, 576)) is None
-    with pytest.raises(ValueError, match=r"q.shape\[-1\] = 100 .* for the Triton kernel"):
-        sparse_attention_probs(
-            fake_cuda(1, 1, 4, 100),
-            fake_cuda(1, 1, 1, 100),
-            fake_cuda(1, 1, 1, 8, dtype=torch.int32),
-            fake_cuda(1, 1, 4, dtype=torch.float32),
-        )
-
-
 # (heads, groups, D, topk_padded) of the TileLang kernel: glm5 TP 1 and 8 (2112 = 33 blocks),
 # two head blocks of 64, a partial second head block (70 = 64 + 6), dsv4.1's width with
 # groups, a small width (64 + 64 + 64 columns, four stages), one head; the first two build by
@@ -229,8 +204,8 @@ def test_tilelang_refuses_before_compiling():
 
 # (heads, groups, D, topk, pattern): model widths and head counts, one and two head blocks (a
 # partial one at 70 and 96 heads), groups, a width only the Triton kernel runs (80), and the
-# TileLang kernel's block counts 1 (topk 1 and 64: its second consumer idle), 2 (100, a partial
-# last block), 3 (192), 5 (320).
+# TileLang kernel's block counts 1 (topk 1 and 64), 2 (100, a partial last block), 3 (192: each
+# of its 3 stages used once), 5 (320: the stages wrap around).
 _GPU_CASES = [
     (64, 1, 576, 2048, "causal"),
     (8, 1, 576, 2112, "out_of_range"),
@@ -245,15 +220,34 @@ _GPU_CASES = [
 ]
 
 
+KERNELS = ["entry", "tilelang"]
+
+
+def _probs_call(kernel, d):
+    """``(q, kv, indices, lse) -> target`` through the public entry (the Triton kernel on CUDA)
+    or the Hopper TileLang kernel, which the entry does not dispatch to yet."""
+    if kernel == "entry":
+        return sparse_attention_probs
+    if not device_arch().is_hopper:
+        pytest.skip("the TileLang probs kernel targets Hopper")
+    from dsa_sparse_attention._tilelang.probs import (
+        probs_kernel_supports,
+        sparse_attention_probs_tilelang,
+    )
+
+    if not probs_kernel_supports(d):
+        pytest.skip(f"D = {d} is a width only the Triton kernel runs")
+    return lambda q, kv, idx, lse: sparse_attention_probs_tilelang(q, kv, idx, lse, d**-0.5)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("forced_triton", [False, True], ids=["entry", "triton"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads,groups,d,topk,pattern", _GPU_CASES)
-def test_gpu_against_reference(heads, groups, d, topk, pattern, forced_triton):
-    """The entry's kernel (TileLang on Hopper where it runs the width) and the Triton kernel on
-    the GPU against the fp32 reference; every output element written."""
-    from dsa_sparse_attention._triton import sparse_attention_probs_triton
+def test_gpu_against_reference(heads, groups, d, topk, pattern, kernel):
+    """Each kernel on the GPU against the fp32 reference; every output element written."""
     from dsa_sparse_attention.reference import sparse_attention_probs_reference
 
+    run = _probs_call(kernel, d)
     gen = seeded_gen("probs gpu", heads, groups, d, topk, pattern)
     s, s_kv = 300, 2500
     q, kv, sink = attention_inputs(1, s, s_kv, heads, groups, d, gen, sink=True, device="cuda")
@@ -265,23 +259,23 @@ def test_gpu_against_reference(heads, groups, d, topk, pattern, forced_triton):
     )
     # Fill the allocator's next block with NaN, so that an unwritten output element shows.
     poisoned((1, s, groups, topk * 2), torch.float32, "cuda")
-    if forced_triton:
-        got = sparse_attention_probs_triton(q, kv, idx, lse, d**-0.5)
-    else:
-        got = sparse_attention_probs(q, kv, idx, lse)
+    got = run(q, kv, idx, lse)
     assert not torch.isnan(got).any()
     want = sparse_attention_probs_reference(q, kv, padded, lse, d**-0.5)
     assert_close(got, want, name="target")
 
 
 @pytest.mark.gpu
-def test_gpu_graph_replays_and_lengths():
-    """The entry under CUDA-graph capture and replay with new inputs, and new lengths without a
-    new compile (batch, S, S_kv and the topk within one 64-key bucket are dynamic)."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gpu_graph_replays_and_lengths(kernel):
+    """Each kernel under CUDA-graph capture and replay with new inputs, and at new lengths;
+    the TileLang kernel without a new compile (batch, S, S_kv and the topk within one 64-key
+    bucket are dynamic)."""
     from dsa_sparse_attention.reference import sparse_attention_probs_reference
 
-    gen = seeded_gen("probs graphs")
     heads, d = 64, 576
+    run = _probs_call(kernel, d)
+    gen = seeded_gen("probs graphs")
 
     def inputs(b, s, s_kv, topk):
         q, kv, _ = attention_inputs(b, s, s_kv, heads, 1, d, gen, device="cuda")
@@ -294,17 +288,17 @@ def test_gpu_graph_replays_and_lengths():
 
     cases = [inputs(2, 40, 500, 200), inputs(2, 40, 500, 200)]
     for case in cases:
-        assert_close(sparse_attention_probs(*case), reference(*case), name="eager")
+        assert_close(run(*case), reference(*case), name="eager")
     # Replays give the eager run's bits (the eager runs are checked above).
-    check_graph_replays(sparse_attention_probs, cases, sparse_attention_probs)
-    first = cases[0]
-    if _probs._gpu_kernel(first[0]) == "tilelang":
+    check_graph_replays(run, cases, run)
+    if kernel == "tilelang":
         from dsa_sparse_attention._tilelang.probs import compile_probs
 
         before = compile_probs.cache_info()
-        for shape in ((1, 33, 900, 250), (3, 7, 64, 193)):
-            case = inputs(*shape)
-            assert_close(sparse_attention_probs(*case), reference(*case), name=f"{shape}")
+    for shape in ((1, 33, 900, 250), (3, 7, 64, 193)):
+        case = inputs(*shape)
+        assert_close(run(*case), reference(*case), name=f"{shape}")
+    if kernel == "tilelang":
         after = compile_probs.cache_info()
         assert (after.misses, after.currsize) == (before.misses, before.currsize)
 
