@@ -160,6 +160,7 @@ def gather_warpgroup_macro(
     topk,
     seq_len_kv,
     producer_first_thread: int,
+    zero_fill_padding: bool = False,
 ):
     """The producer of a program that walks one index row in ``n_blocks`` blocks of ``block_i``
     keys, shared by the forward and ``sparse_attention_probs``' kernel: the macro
@@ -172,6 +173,11 @@ def gather_warpgroup_macro(
     previous use's phase. ``topk`` and ``seq_len_kv`` are the kernel's dynamic sizes; ``k`` also
     carries ``KV``, ``Indices``, ``b``, ``s``, ``g``, ``tx`` and the ``idx`` registers
     (``block_i // 16`` int32).
+
+    A padding slot's row is read from a clamped index (in bounds, masked by ``valid``); with
+    ``zero_fill_padding`` its copies read nothing and fill the stage row with zeros instead (a
+    ``cp.async`` source size of 0), which saves the L2 traffic of the padding (a quarter of the
+    slots of causal indices at 4k tokens and topk 2048).
     """
     bi, ns = block_i, num_stages
     passes = bi // _PRODUCER_ROWS
@@ -198,17 +204,20 @@ def gather_warpgroup_macro(
             if tp % 8 == 0:
                 k.valid[s, row] = (idx >= 0) & (idx < seq_len_kv)
             src = T.min(T.max(idx, 0), seq_len_kv - 1)
+            pred = ((idx >= 0) & (idx < seq_len_kv)) if zero_fill_padding else None
             for u in T.unroll(half // 64):
                 T.ptx_cp_async(
                     T.access_ptr(k.kv_l[s, row, u * 64 + c0], "w", 8),
                     T.access_ptr(k.KV[k.b, src, k.g, u * 64 + c0], "r", 8),
                     8,
+                    pred,
                 )
             for u in T.unroll(half // 64):
                 T.ptx_cp_async(
                     T.access_ptr(k.kv_r[s, row, u * 64 + c0], "w", 8),
                     T.access_ptr(k.KV[k.b, src, k.g, half + u * 64 + c0], "r", 8),
                     8,
+                    pred,
                 )
             if tail > 0:
                 for u in T.unroll(tail // 64):
@@ -216,6 +225,7 @@ def gather_warpgroup_macro(
                         T.access_ptr(k.k_t[s, row, u * 64 + c0], "w", 8),
                         T.access_ptr(k.KV[k.b, src, k.g, 2 * half + u * 64 + c0], "r", 8),
                         8,
+                        pred,
                     )
         # The plain arrival releases the mask stores; the cp.async arrival fires once this
         # thread's copies have landed.

@@ -106,7 +106,15 @@ def build_probs(heads: int, groups: int, dim: int, topk_padded: int):
     dtype, accum, idx_t = "bfloat16", "float32", "int32"
     batch, seq_len, seq_len_kv, topk = T.dynamic("batch, seq_len, seq_len_kv, topk")
     gather_warpgroup = gather_warpgroup_macro(
-        half, tail, bi, ns, n_blocks, topk, seq_len_kv, producer_first_thread=128
+        half,
+        tail,
+        bi,
+        ns,
+        n_blocks,
+        topk,
+        seq_len_kv,
+        producer_first_thread=128,
+        zero_fill_padding=True,
     )
 
     @T.macro
