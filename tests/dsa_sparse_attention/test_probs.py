@@ -202,6 +202,24 @@ def test_tilelang_refuses_before_compiling():
             probs.compile_probs(*args, SM90A)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+@pytest.mark.parametrize(
+    "b,s,s_kv,topk", [(2, 3, 0, 64), (0, 3, 10, 64), (2, 0, 10, 64), (2, 3, 10, 0)]
+)
+def test_tilelang_empty_inputs_give_zeros(b, s, s_kv, topk):
+    """No keys, queries or slots: zeros of the output's shape, with no kernel built or launched
+    (so this runs on CPU tensors)."""
+    from dsa_sparse_attention._tilelang import probs
+
+    before = probs.compile_probs.cache_info().currsize
+    q, kv = torch.randn(b, s, 8, 576), torch.randn(b, s_kv, 1, 576)
+    idx = torch.full((b, s, 1, topk), -1, dtype=torch.int32)
+    got = probs.sparse_attention_probs_tilelang(q, kv, idx, torch.zeros(b, s, 8), 0.1)
+    assert got.shape == (b, s, 1, topk) and got.dtype == torch.float32
+    assert not got.any()
+    assert probs.compile_probs.cache_info().currsize == before
+
+
 # (heads, groups, D, topk, pattern): model widths and head counts, one and two head blocks (a
 # partial one at 70 and 96 heads), groups, a width only the Triton kernel runs (80), and the
 # TileLang kernel's block counts 1 (topk 1 and 64), 2 (100, a partial last block), 3 (192: each

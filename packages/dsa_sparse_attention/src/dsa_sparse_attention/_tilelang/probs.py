@@ -272,7 +272,7 @@ def sparse_attention_probs_tilelang(
     s_kv, g = kv.shape[1], kv.shape[2]
     topk = indices.shape[-1]
     n_hblk = head_blocks(h, g)
-    if s_kv == 0 or b * s == 0:  # no key row to gather (or nothing to compute)
+    if s_kv == 0 or b * s * topk == 0:  # no key row to gather (or nothing to compute)
         return torch.zeros((b, s, g, topk), dtype=torch.float32, device=q.device)
     arch = tilelang_target(device_arch(q.device))["arch"]
     kernel = compile_probs(h, g, d, round_up(topk, BLOCK), arch)
