@@ -304,6 +304,23 @@ def test_opcheck():
         )
 
 
+def test_config_choice_traces(monkeypatch):
+    """torch.compile traces the entry's config choice on Hopper (fullgraph: no graph break),
+    the FlashMLA row falling back to TileLang where flash_mla is not importable."""
+    from dsa_sparse_attention import _ops
+    from kernel_common import device_arch
+
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+    monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
+
+    def pick(x):
+        arch = device_arch(torch.device("cuda"))
+        cfg = _ops._table_lookup(arch, 64, 1, 576, 512, 2048, None, False).config
+        return x + (1 if cfg.forward_backend == "tilelang" else 2)
+
+    assert torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2)).tolist() == [1, 1]
+
+
 def test_compile_forward_backward_dynamic():
     def loss_fn(q, kv, idx, sink):
         out, lse = sparse_attention(q, kv, idx, d_v=32, attn_sink=sink, return_lse=True)

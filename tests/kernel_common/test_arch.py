@@ -24,6 +24,19 @@ def test_sm_names_and_flags():
         Arch("tpu", 1, 0)
 
 
+def test_arch_reads_trace(monkeypatch):
+    """torch.compile traces the entries' reads of the arch (fullgraph: no graph break): the
+    derived names and flags as well as the fields, on the constant that device_arch returns."""
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+
+    def f(x):
+        arch = device_arch(torch.device("cuda"))
+        hopper = arch.is_hopper and not arch.is_blackwell and arch.sm == "sm_90"
+        return x + (1 if hopper and arch.major == 9 else 2)
+
+    assert torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)).tolist() == [1, 1]
+
+
 def test_tilelang_targets():
     assert tilelang_target(Arch("cuda", 9, 0)) == {"kind": "cuda", "arch": "sm_90a"}
     assert tilelang_target(Arch("cuda", 10, 0)) == {"kind": "cuda", "arch": "sm_100a"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,27 +22,26 @@ class Arch:
     vendor: str
     major: int = 0
     minor: int = 0
+    # Derived fields, set from the three above, not properties: torch.compile traces the public
+    # entries' reads of them on the constant that `device_arch` returns, and Dynamo (torch 2.11)
+    # reads a field of such a constant but fails on a property ("GetAttrVariable").
+    sm: str = field(init=False, repr=False, compare=False)
+    """``sm_90`` for CUDA 9.0, ``gfx942`` style for ROCm, ``cpu`` for the CPU."""
+    is_hopper: bool = field(init=False, repr=False, compare=False)
+    is_blackwell: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.vendor not in _VENDORS:
             raise ValueError(f"Arch.vendor must be one of {_VENDORS}, got {self.vendor!r}")
-
-    @property
-    def sm(self) -> str:
-        """``sm_90`` for CUDA 9.0, ``gfx942`` style for ROCm, ``cpu`` for the CPU."""
         if self.vendor == "cuda":
-            return f"sm_{self.major}{self.minor}"
-        if self.vendor == "rocm":
-            return f"gfx{self.major}{self.minor:x}"
-        return "cpu"
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.vendor == "cuda" and self.major == 9
-
-    @property
-    def is_blackwell(self) -> bool:
-        return self.vendor == "cuda" and self.major == 10
+            sm = f"sm_{self.major}{self.minor}"
+        elif self.vendor == "rocm":
+            sm = f"gfx{self.major}{self.minor:x}"
+        else:
+            sm = "cpu"
+        object.__setattr__(self, "sm", sm)
+        object.__setattr__(self, "is_hopper", self.vendor == "cuda" and self.major == 9)
+        object.__setattr__(self, "is_blackwell", self.vendor == "cuda" and self.major == 10)
 
 
 CPU = Arch("cpu")
