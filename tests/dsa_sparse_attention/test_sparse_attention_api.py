@@ -14,9 +14,9 @@ from dsa_sparse_attention import (
     resolve_config,
     sparse_attention,
 )
-from dsa_sparse_attention._ops import _check_runnable
+from dsa_sparse_attention._ops import _check_runnable, _table_lookup
 from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG
-from kernel_common import ARCH_ENV, Arch
+from kernel_common import ARCH_ENV, Arch, device_arch
 from kernel_common.constants import LN2
 from kernel_common.testing import assert_close
 from support import attention_indices, attention_inputs, fake_cuda, seeded_gen
@@ -307,15 +307,12 @@ def test_opcheck():
 def test_config_choice_traces(monkeypatch):
     """torch.compile traces the entry's config choice on Hopper (fullgraph: no graph break),
     the FlashMLA row falling back to TileLang where flash_mla is not importable."""
-    from dsa_sparse_attention import _ops
-    from kernel_common import device_arch
-
     monkeypatch.setenv(ARCH_ENV, "sm_90")
     monkeypatch.setattr(_flash_mla, "flash_mla_importable", lambda: False)
 
     def pick(x):
         arch = device_arch(torch.device("cuda"))
-        cfg = _ops._table_lookup(arch, 64, 1, 576, 512, 2048, None, False).config
+        cfg = _table_lookup(arch, 64, 1, 576, 512, 2048, None, False).config
         return x + (1 if cfg.forward_backend == "tilelang" else 2)
 
     assert torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2)).tolist() == [1, 1]
