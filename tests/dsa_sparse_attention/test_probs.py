@@ -15,7 +15,7 @@ import torch
 from dsa_bench.dense import dense_attention
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
 from dsa_sparse_attention._triton import split_width
-from kernel_common import device_arch
+from kernel_common import ARCH_ENV, device_arch
 from kernel_common.testing import assert_close, poisoned
 from support import (
     as_padding,
@@ -122,6 +122,42 @@ def test_opcheck_and_compile():
         assert_close(compiled(q, kv, idx, lse), want, name="compiled target")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+def test_kernel_choice(monkeypatch):
+    """The entry's kernel per device, arch and width: TileLang on Hopper for multiples of 64
+    from 128 to 768, Triton on other CUDA GPUs and widths, the reference on CPU and ROCm."""
+    from dsa_sparse_attention._probs import _gpu_kernel
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+    assert [_gpu_kernel(cuda, d) for d in (576, 512, 128, 768, 832, 80, 64)] == (
+        ["tilelang"] * 4 + ["triton"] * 3
+    )
+    assert _gpu_kernel(torch.device("cpu"), 576) is None
+    monkeypatch.setenv(ARCH_ENV, "sm_100")
+    assert _gpu_kernel(cuda, 576) == "triton"
+    monkeypatch.setenv(ARCH_ENV, "sm_80")
+    assert _gpu_kernel(cuda, 576) == "triton"
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert _gpu_kernel(cuda, 576) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+def test_kernel_choice_traces(monkeypatch):
+    """torch.compile traces the entry's kernel choice on Hopper (fullgraph: no graph break)."""
+    from dsa_sparse_attention._probs import _gpu_kernel
+
+    monkeypatch.setenv(ARCH_ENV, "sm_90")
+
+    def pick(x):
+        hopper = _gpu_kernel(torch.device("cuda"), x.shape[-1]) == "tilelang"
+        return x + (1 if hopper else 2)
+
+    compiled = torch.compile(pick, fullgraph=True, backend="eager", dynamic=False)
+    assert compiled(torch.zeros(576)).tolist()[:2] == [1, 1]
+    assert compiled(torch.zeros(832)).tolist()[:2] == [2, 2]
+
+
 @not_interpreted
 def test_interpreter_run():
     run_interpreted(__file__)
@@ -141,8 +177,8 @@ def test_cpu_interp_kernel(case):
 
 # (heads, groups, D, topk_padded) of the TileLang kernel: glm5 TP 1 and 8 (2112 = 33 blocks),
 # two head blocks of 64, a partial second head block (70 = 64 + 6), dsv4.1's width with
-# groups, a small width (64 + 64 + 64 columns, four stages), one head; the first two build by
-# default.
+# groups, a small width (64 + 64 + 64 columns, four stages), one head, the widest width (two
+# stages); the first two build by default.
 _TL_VARIANTS = [
     (64, 1, 576, 2048),
     (70, 1, 512, 64),
@@ -151,6 +187,7 @@ _TL_VARIANTS = [
     pytest.param((16, 2, 512, 640), marks=pytest.mark.slow),
     pytest.param((8, 1, 192, 192), marks=pytest.mark.slow),
     pytest.param((1, 1, 576, 320), marks=pytest.mark.slow),
+    pytest.param((8, 1, 768, 128), marks=pytest.mark.slow),
 ]
 
 
@@ -185,21 +222,40 @@ def test_tilelang_refuses_before_compiling():
         1,
     ]
     assert probs.column_split(576) == (256, 64) and probs.column_split(512) == (256, 0)
-    # Three 64-key stages at the model widths (what the kernel is designed for), two up to 832.
-    assert (probs.stages(576), probs.stages(512), probs.stages(832), probs.stages(896)) == (
-        3,
-        3,
-        2,
-        1,
-    )
+    # Three 64-key stages at the model widths (what the kernel is designed for), two up to the
+    # widest width it runs.
+    assert (probs.stages(576), probs.stages(512), probs.stages(probs.MAX_DIM)) == (3, 3, 2)
+    supported = [d for d in range(1, 1025) if probs.probs_kernel_supports(d)]
+    assert supported == list(range(128, 769, 64))
     for args, match in [
         ((6, 4, 576, 64), "positive multiple of groups"),
         ((8, 1, 80, 64), "D = 80"),
-        ((64, 1, 896, 64), "D = 896"),
+        ((64, 1, 832, 64), "D = 832"),
+        ((8, 1, 600, 64), "D = 600"),
         ((8, 1, 576, 100), "topk_padded = 100"),
     ]:
         with pytest.raises(ValueError, match=match):
             probs.compile_probs(*args, SM90A)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
+def test_precompile_builds_the_probs_kernel():
+    """precompile(probs=True) builds the probs kernel a call of the shape runs (here the first
+    sm_90a variant, so nothing new is compiled when that test ran first), widths the kernel
+    does not run build nothing; a torch config leaves only the probs kernel to build."""
+    from dsa_sparse_attention._tilelang.probs import compile_probs
+    from dsa_sparse_attention.config import TORCH_CONFIG
+    from dsa_sparse_attention.precompile import AttentionShape, precompile
+
+    shape = AttentionShape(heads=64, d_qk=576, d_v=512, topk=2000)
+    assert precompile([shape, shape], arch="sm_90", config=TORCH_CONFIG, probs=True) == 1
+    assert precompile([shape], arch="sm_90", config=TORCH_CONFIG) == 0
+    narrow = AttentionShape(heads=8, d_qk=80, d_v=64, topk=64)
+    assert precompile([narrow], arch="sm_90", config=TORCH_CONFIG, probs=True) == 0
+    before = compile_probs.cache_info()
+    compile_probs(64, 1, 576, 2048, SM90A)
+    after = compile_probs.cache_info()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="tilelang is a Linux-only dependency")
@@ -235,27 +291,29 @@ _GPU_CASES = [
     (96, 2, 512, 320, "out_of_range"),
     (8, 1, 192, 320, "tail"),
     (4, 1, 80, 50, "mixed"),
+    (8, 1, 768, 130, "tail"),  # the TileLang kernel's widest width (two stages)
 ]
 
 
-KERNELS = ["entry", "tilelang"]
+KERNELS = ["entry", "triton"]
 
 
 def _probs_call(kernel, d):
-    """``(q, kv, indices, lse) -> target`` through the public entry (the Triton kernel on CUDA)
-    or the Hopper TileLang kernel, which the entry does not dispatch to yet."""
+    """``(q, kv, indices, lse) -> target`` through the public entry (on Hopper the TileLang
+    kernel for the widths it supports, else the Triton kernel) or the Triton kernel forced."""
     if kernel == "entry":
         return sparse_attention_probs
-    if not device_arch().is_hopper:
-        pytest.skip("the TileLang probs kernel targets Hopper")
-    from dsa_sparse_attention._tilelang.probs import (
-        probs_kernel_supports,
-        sparse_attention_probs_tilelang,
-    )
+    from dsa_sparse_attention._triton import sparse_attention_probs_triton
 
-    if not probs_kernel_supports(d):
-        pytest.skip(f"D = {d} is a width only the Triton kernel runs")
-    return lambda q, kv, idx, lse: sparse_attention_probs_tilelang(q, kv, idx, lse, d**-0.5)
+    if split_width(d) is None:
+        pytest.skip(f"D = {d} is a width only the TileLang kernel runs")
+    return lambda q, kv, idx, lse: sparse_attention_probs_triton(q, kv, idx, lse, d**-0.5)
+
+
+def _expected_kernel(d):
+    from dsa_sparse_attention._tilelang.probs import probs_kernel_supports
+
+    return "tilelang" if device_arch().is_hopper and probs_kernel_supports(d) else "triton"
 
 
 @pytest.mark.gpu
@@ -263,9 +321,12 @@ def _probs_call(kernel, d):
 @pytest.mark.parametrize("heads,groups,d,topk,pattern", _GPU_CASES)
 def test_gpu_against_reference(heads, groups, d, topk, pattern, kernel):
     """Each kernel on the GPU against the fp32 reference; every output element written."""
+    from dsa_sparse_attention._probs import _gpu_kernel
     from dsa_sparse_attention.reference import sparse_attention_probs_reference
 
     run = _probs_call(kernel, d)
+    if kernel == "entry":
+        assert _gpu_kernel(torch.device("cuda"), d) == _expected_kernel(d)
     gen = seeded_gen("probs gpu", heads, groups, d, topk, pattern)
     s, s_kv = 300, 2500
     q, kv, sink = attention_inputs(1, s, s_kv, heads, groups, d, gen, sink=True, device="cuda")
@@ -287,8 +348,8 @@ def test_gpu_against_reference(heads, groups, d, topk, pattern, kernel):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_gpu_graph_replays_and_lengths(kernel):
     """Each kernel under CUDA-graph capture and replay with new inputs, and at new lengths;
-    the TileLang kernel without a new compile (batch, S, S_kv and the topk within one 64-key
-    bucket are dynamic)."""
+    the TileLang kernel (the entry's on Hopper) without a new compile (batch, S, S_kv and the
+    topk within one 64-key bucket are dynamic)."""
     from dsa_sparse_attention.reference import sparse_attention_probs_reference
 
     heads, d = 64, 576
@@ -309,16 +370,32 @@ def test_gpu_graph_replays_and_lengths(kernel):
         assert_close(run(*case), reference(*case), name="eager")
     # Replays give the eager run's bits (the eager runs are checked above).
     check_graph_replays(run, cases, run)
-    if kernel == "tilelang":
+    tilelang = kernel == "entry" and _expected_kernel(d) == "tilelang"
+    if tilelang:
         from dsa_sparse_attention._tilelang.probs import compile_probs
 
         before = compile_probs.cache_info()
     for shape in ((1, 33, 900, 250), (3, 7, 64, 193)):
         case = inputs(*shape)
         assert_close(run(*case), reference(*case), name=f"{shape}")
-    if kernel == "tilelang":
+    if tilelang:
         after = compile_probs.cache_info()
         assert (after.misses, after.currsize) == (before.misses, before.currsize)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_entry():
+    """The entry under torch.compile (fullgraph, dynamic lengths) gives the eager bits: the
+    kernel choice traces and the custom op runs the same kernel."""
+    heads, d = 64, 576
+    gen = seeded_gen("probs compiled")
+    compiled = torch.compile(sparse_attention_probs, fullgraph=True, dynamic=True)
+    for s, s_kv, topk in ((40, 500, 200), (57, 700, 256)):
+        q, kv, _ = attention_inputs(1, s, s_kv, heads, 1, d, gen, device="cuda")
+        idx = attention_indices(1, s, 1, topk, s_kv, "shuffled", gen, device="cuda")
+        lse = torch.randn(1, s, heads, generator=gen).cuda() + 8
+        eager = sparse_attention_probs(q, kv, idx, lse)
+        assert torch.equal(compiled(q, kv, idx, lse), eager)
 
 
 def _torch_forward():

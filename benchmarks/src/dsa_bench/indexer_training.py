@@ -5,8 +5,8 @@
 At the model shapes (glm5 at 64 and 8 heads, dsv4.1-flash-r1 with its sink at 64 and 8 heads)
 and the benchmark's causal indices (as ``dsa-bench`` builds them), it times the sparse-attention
 forward (the table's config), ``sparse_attention_probs`` from that forward's lse (its ratio to
-the forward: the bar is <= 0.5 at glm5 64 heads 16k; its gather rate; on Hopper the TileLang
-kernel's time beside it, which the entry does not dispatch to yet) and ``indexer_kl_loss``
+the forward: the bar is <= 0.5 at glm5 64 heads 16k; its gather rate; the kernel the entry
+ran, TileLang on Hopper, and the Triton kernel's time beside it) and ``indexer_kl_loss``
 forward+backward on ``[T, topk]`` (bar <= 0.3 ms at 16k x 2048), CUDA-graph replays for the
 loss. Up to 16k tokens the target (of both kernels) is checked against the fp32 torch reference
 (rel_diff, bar 1e-5). Writes ``indexer_training.csv`` / ``.png`` under ``--out`` (default
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from dsa_indexer import indexer_kl_loss
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
+from dsa_sparse_attention._probs import _gpu_kernel
+from dsa_sparse_attention._triton import sparse_attention_probs_triton
 from dsa_sparse_attention.reference import default_sm_scale, sparse_attention_probs_reference
-from kernel_common import device_arch
 from kernel_common.testing import rel_diff
 
 from dsa_bench import common
@@ -43,11 +44,12 @@ COLUMNS = [
     common.Column("probs_over_fwd", fmt="{:.2f}"),
     common.Column("probs_tflops", fmt="{:.0f}"),
     common.Column("probs_gbps", fmt="{:.0f}"),
-    common.Column("tilelang_probs_ms", fmt="{:.3f}"),
+    common.Column("probs_kernel"),
+    common.Column("triton_probs_ms", fmt="{:.3f}"),
     common.Column("kl_fwd_bwd_ms", fmt="{:.3f}"),
     common.Column("kl_gbps", fmt="{:.0f}"),
     common.Column("rd_probs"),
-    common.Column("rd_tilelang"),
+    common.Column("rd_triton"),
 ]
 
 
@@ -70,13 +72,9 @@ def run_case(name: str, tp: int, tokens: int) -> dict:
         probs_ms = common.time_ms(lambda: sparse_attention_probs(q, kv, idx, lse))
         target = sparse_attention_probs(q, kv, idx, lse)
         scale = default_sm_scale(model.d_qk)
-        tilelang = None
-        if device_arch().is_hopper:
-            from dsa_sparse_attention._tilelang.probs import sparse_attention_probs_tilelang
-
-            tilelang = partial(sparse_attention_probs_tilelang, q, kv, idx, lse, scale)
-            tilelang_target = tilelang()
-            tilelang_ms = common.time_ms(tilelang)
+        triton = partial(sparse_attention_probs_triton, q, kv, idx, lse, scale)
+        triton_target = triton()
+        triton_ms = common.time_ms(triton)
     keys = float((idx >= 0).sum())
     pairs = keys * heads
     row = {
@@ -85,19 +83,18 @@ def run_case(name: str, tp: int, tokens: int) -> dict:
         "heads": heads,
         "tokens": tokens,
         "fwd_ms": fwd_ms,
+        "probs_kernel": _gpu_kernel(q.device, model.d_qk),
         "probs_ms": probs_ms,
         "probs_over_fwd": probs_ms / fwd_ms,
         "probs_tflops": pairs * 2 * model.d_qk / probs_ms / 1e9,
         # The K rows gathered (bf16, whole width), the bound of the kernel: GB/s.
         "probs_gbps": keys * model.d_qk * 2 / probs_ms / 1e6,
+        "triton_probs_ms": triton_ms,
     }
-    if tilelang is not None:
-        row["tilelang_probs_ms"] = tilelang_ms
     if tokens <= CHECK_MAX_TOKENS:
         want = sparse_attention_probs_reference(q, kv, idx, lse, scale)
         row["rd_probs"] = rel_diff(target, want)
-        if tilelang is not None:
-            row["rd_tilelang"] = rel_diff(tilelang_target, want)
+        row["rd_triton"] = rel_diff(triton_target, want)
         del want
 
     scores = torch.randn(tokens, model.topk, device="cuda", generator=gen)
@@ -130,7 +127,7 @@ def probs_sweep(tokens: int = 16384) -> None:
         idx = benchmark_indices(tokens, 1, model.topk, "cuda", gen)
         with torch.no_grad():
             _, lse = sparse_attention(q, kv, idx, d_v=model.d_v, return_lse=True)
-        call = partial(sparse_attention_probs, q, kv, idx, lse)
+        call = partial(kernel.sparse_attention_probs_triton, q, kv, idx, lse, model.d_qk**-0.5)
         want = call()
         results = []
         saved = kernel._BLOCK_K, kernel._WARPS, kernel._STAGES
@@ -168,10 +165,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         [
             ("sparse_attention forward", [r["fwd_ms"] for r in rows]),
             ("sparse_attention_probs", [r["probs_ms"] for r in rows]),
-            (
-                "sparse_attention_probs, TileLang kernel",
-                [r.get("tilelang_probs_ms", float("nan")) for r in rows],
-            ),
+            ("sparse_attention_probs, Triton kernel", [r["triton_probs_ms"] for r in rows]),
             ("indexer_kl_loss fwd+bwd", [r["kl_fwd_bwd_ms"] for r in rows]),
         ],
         ylabel="ms (median)",

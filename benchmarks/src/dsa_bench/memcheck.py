@@ -4,8 +4,9 @@ Covers the padding cases the kernels must survive without touching memory out of
 tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
 that is not a block multiple. Each case runs the public ``sparse_attention`` (forward and
 backward, the table's row for its shape, then its deterministic row) and
-``sparse_attention_probs`` on the same indices; on Hopper the TileLang probs kernel on those
-indices at 8, 64 and 70 heads (a partial head block, one, one full and one partial);
+``sparse_attention_probs`` on the same indices (the TileLang kernel on Hopper) and the Triton
+probs kernel; ``sparse_attention_probs`` on those indices at 8, 64 and 70 heads (the TileLang
+kernel's head blocks of 64: a partial one, one full, a full and a partial);
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
 logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
 ``indexer_kl_loss``
@@ -20,7 +21,7 @@ import torch
 from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer, resolve_config
 from dsa_indexer._triton.logits_topk import list_slots
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
-from kernel_common import device_arch
+from dsa_sparse_attention._triton import sparse_attention_probs_triton
 
 from dsa_bench import common
 
@@ -58,21 +59,20 @@ def main() -> None:
                 f"heads={heads} dim={dim} topk={topk} sink={sink} "
                 f"deterministic={deterministic}: grads finite={finite}"
             )
-        target = sparse_attention_probs(q.detach(), kv.detach(), idx, lse.detach())
+        args = (q.detach(), kv.detach(), idx, lse.detach())
+        target = sparse_attention_probs(*args)
+        triton = sparse_attention_probs_triton(*args, dim**-0.5)
         torch.cuda.synchronize()
-        print(f"  target finite={bool(torch.isfinite(target).all())}")
-    if device_arch().is_hopper:
-        from dsa_sparse_attention._tilelang.probs import sparse_attention_probs_tilelang
-
-        # Head blocks of 64: 8 heads (one partial), 64 (one full), 70 (a full and a partial).
-        for heads in (8, 64, 70):
-            q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
-            kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
-            lse = torch.randn(b, s, heads, device="cuda", generator=gen) + 8
-            # The last case's padded indices (150 slots: a partial third 64-key block).
-            target = sparse_attention_probs_tilelang(q, kv, idx, lse, 576**-0.5)
-            torch.cuda.synchronize()
-            print(f"tilelang probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
+        print(f"  target finite={bool(torch.isfinite(target).all())}, "
+              f"triton finite={bool(torch.isfinite(triton).all())}")  # fmt: skip
+    for heads in (8, 64, 70):
+        q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
+        lse = torch.randn(b, s, heads, device="cuda", generator=gen) + 8
+        # The last case's padded indices (150 slots: a partial third 64-key block).
+        target = sparse_attention_probs(q, kv, idx, lse)
+        torch.cuda.synchronize()
+        print(f"probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
     # then the KL loss; with the two passes and with the fused logits -> top-k kernel (lists of
     # 128 entries, compacted once a range passes 64 keys).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kernel_common import check_indices, check_tensor
+from kernel_common import check_indices, check_tensor, device_arch
 
 from dsa_sparse_attention import reference
 from dsa_sparse_attention._ops import check_attention_inputs
@@ -11,18 +11,31 @@ from dsa_sparse_attention._ops import check_attention_inputs
 _OP = "sparse_attention_probs"
 
 
-def _use_triton(q: torch.Tensor) -> bool:
-    # The Triton kernel is built and tested for CUDA GPUs; ROCm runs the torch reference. The
-    # Hopper TileLang kernel (`_tilelang.probs`) is called by its tests and the benchmark only,
-    # until its gpu tests have passed on an H200 (benchmarks/NOTES.md).
-    return q.device.type == "cuda" and torch.version.hip is None
+def _gpu_kernel(device: torch.device, dim: int) -> str | None:
+    """The kernel the entry runs: ``"tilelang"`` on Hopper for the widths it supports (its
+    gpu tests and benchmark ran on an H200, benchmarks/NOTES.md), ``"triton"`` on other CUDA
+    GPUs and widths, ``None`` (the torch reference) on the CPU and on ROCm, where neither kernel
+    is built or tested."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    if device_arch(device).is_hopper:
+        from dsa_sparse_attention._tilelang.probs import probs_kernel_supports
+
+        if probs_kernel_supports(dim):
+            return "tilelang"
+    return "triton"
 
 
 @torch.library.custom_op("dsa_sparse_attention::probs", mutates_args=())
 def _probs_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
-    if _use_triton(q):
+    kernel = _gpu_kernel(q.device, q.shape[-1])
+    if kernel == "tilelang":
+        from dsa_sparse_attention._tilelang.probs import sparse_attention_probs_tilelang
+
+        return sparse_attention_probs_tilelang(q, kv, indices, lse, sm_scale)
+    if kernel == "triton":
         from dsa_sparse_attention._triton import sparse_attention_probs_triton
 
         return sparse_attention_probs_triton(q, kv, indices, lse, sm_scale)
@@ -62,13 +75,15 @@ def sparse_attention_probs(
     ``out[b, s, g, j] = sum_{h in g} exp(sm_scale * q[b, s, h] . kv[b, indices[b, s, g, j], g]
     - lse[b, s, h])``, from the lse that ``sparse_attention(..., return_lse=True)`` returned
     for the same inputs, so no softmax statistics are recomputed. Per-head probabilities are
-    never stored. Under tensor parallelism each rank holds some heads: all-reduce (sum) the
-    result over the head shards to get the full-head target.
+    never stored, and the result is the same bits on every run. Under tensor parallelism each
+    rank holds some heads: all-reduce (sum) the result over the head shards to get the
+    full-head target.
 
     Args:
         q, kv, indices, sm_scale: as in :func:`sparse_attention` (``sm_scale`` default
-            ``1 / sqrt(D)``); on the GPU ``D`` is a power of two >= 16, or one plus a smaller
-            power of two >= 16 (512, 576, ...).
+            ``1 / sqrt(D)``). On Hopper a TileLang kernel runs ``D`` a multiple of 64 from
+            128 to 768; other widths and other CUDA GPUs run a Triton kernel, which needs ``D``
+            a power of two >= 16 or one plus a smaller power of two >= 16 (512, 576, ...).
         lse: float32 ``[B, S, H]``, natural log, sink included (the forward's ``lse``).
 
     Returns:
@@ -87,13 +102,14 @@ def sparse_attention_probs(
         layout=f"[B={b}, S={s}, H={h}]",
         device=q.device,
     )
-    if _use_triton(q):
+    if _gpu_kernel(q.device, d) == "triton":
         from dsa_sparse_attention._triton import split_width
 
         if split_width(d) is None:
             raise ValueError(
                 f"{_OP}: q.shape[-1] = {d} must be a power of two >= 16, or one plus a smaller "
-                "power of two >= 16 (e.g. 512, 576), for the GPU kernel"
+                "power of two >= 16 (e.g. 512, 576), or on Hopper a multiple of 64 from 128 to "
+                "768, for the GPU kernels"
             )
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)

@@ -31,6 +31,7 @@ def precompile(
     arch: Arch | str | None = None,
     config: SparseAttentionConfig | None = None,
     deterministic: bool | None = None,
+    probs: bool = False,
     max_workers: int = 16,
 ) -> int:
     """Compile the TileLang kernels that calls of these shapes will use, on a thread pool.
@@ -46,6 +47,8 @@ def precompile(
         config: the config the calls will pass, default each shape's table row.
         deterministic: the mode the calls will run in, as ``sparse_attention``'s argument
             (``None``: as ``torch.use_deterministic_algorithms``).
+        probs: also build the kernel of ``sparse_attention_probs`` (the indexer's training
+            target) for each shape.
         max_workers: parallel builds.
 
     Returns:
@@ -58,6 +61,7 @@ def precompile(
         compile_backward,
         compile_forward,
     )
+    from dsa_sparse_attention._tilelang.probs import BLOCK, compile_probs, probs_kernel_supports
 
     arch = device_arch() if arch is None else parse_arch(arch) if isinstance(arch, str) else arch
     if arch.vendor == "cpu":
@@ -87,6 +91,9 @@ def precompile(
             )
             check_backward_config(*hw, *(value for _, value in tiling))
             jobs.add((compile_backward, (*hw, shape.topk), (*tiling, ("target", target))))
+        if probs and probs_kernel_supports(shape.d_qk):
+            topk = round_up(shape.topk, BLOCK)
+            jobs.add((compile_probs, (shape.heads, shape.groups, shape.d_qk, topk, target), ()))
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
         futures = [pool.submit(fn, *args, **dict(kwargs)) for fn, args, kwargs in jobs]
         for future in futures:
