@@ -1,12 +1,12 @@
-"""sparse_attention_probs: the torch reference, the Triton kernel (the public entry's on CUDA)
-and the Hopper TileLang kernel against a dense fp64 target or the fp32 reference.
+"""sparse_attention_probs: the torch reference, the Triton kernel and the Hopper TileLang
+kernel (the public entry's on Hopper) against a dense fp64 target or the fp32 reference.
 
 CPU: the reference against the dense target, the Triton kernel under the interpreter, the
-TileLang kernel's sm_90a builds and refusals. GPU: the entry and the TileLang kernel against
-the fp32 reference over head counts (one and two head blocks, a partial one), widths, groups,
-padding patterns and the TileLang kernel's block counts 1, 2, 3, 5 against its 3 stages;
-CUDA-graph replays, no recompilation across lengths.
-"""
+TileLang kernel's sm_90a builds and refusals, the entry's kernel choice. GPU: the entry
+(checking which kernel it runs) and the Triton kernel forced against the fp32 reference over
+head counts (one and two head blocks, a partial one), widths, groups, padding patterns and the
+TileLang kernel's block counts 1, 2, 3, 5 against its 3 stages; CUDA-graph replays, no
+recompilation across lengths, the entry under torch.compile."""
 
 import sys
 
