@@ -6,11 +6,11 @@ At the model shapes (glm5 at 64 and 8 heads, dsv4.1-flash-r1 with its sink at 64
 and the benchmark's causal indices (as ``dsa-bench`` builds them), it times the sparse-attention
 forward (the table's config), ``sparse_attention_probs`` from that forward's lse (its ratio to
 the forward: the bar is <= 0.5 at glm5 64 heads 16k; its gather rate; the kernel the entry
-ran, TileLang on Hopper, and the Triton kernel's time beside it) and ``indexer_kl_loss``
-forward+backward on ``[T, topk]`` (bar <= 0.3 ms at 16k x 2048), CUDA-graph replays for the
-loss. Up to 16k tokens the target (of both kernels) is checked against the fp32 torch reference
-(rel_diff, bar 1e-5). Writes ``indexer_training.csv`` / ``.png`` under ``--out`` (default
-``benchmarks/results``).
+ran, TileLang on Hopper from 33 heads, and the Triton kernel's time beside it) and
+``indexer_kl_loss`` forward+backward on ``[T, topk]`` (bar <= 0.3 ms at 16k x 2048), CUDA-graph
+replays for the loss. Up to 16k tokens the target (of both kernels) is checked against the fp32
+torch reference (rel_diff, bar 1e-5). Writes ``indexer_training.csv`` / ``.png`` under
+``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def run_case(name: str, tp: int, tokens: int) -> dict:
         "heads": heads,
         "tokens": tokens,
         "fwd_ms": fwd_ms,
-        "probs_kernel": _gpu_kernel(q.device, model.d_qk),
+        "probs_kernel": _gpu_kernel(q.device, model.d_qk, heads),
         "probs_ms": probs_ms,
         "probs_over_fwd": probs_ms / fwd_ms,
         "probs_tflops": pairs * 2 * model.d_qk / probs_ms / 1e9,

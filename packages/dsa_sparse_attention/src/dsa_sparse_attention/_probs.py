@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kernel_common import check_indices, check_tensor, device_arch
+from kernel_common import Arch, check_indices, check_tensor, device_arch
 
 from dsa_sparse_attention import reference
 from dsa_sparse_attention._ops import check_attention_inputs
@@ -11,26 +11,37 @@ from dsa_sparse_attention._ops import check_attention_inputs
 _OP = "sparse_attention_probs"
 
 
-def _gpu_kernel(device: torch.device, dim: int) -> str | None:
-    """The kernel the entry runs: ``"tilelang"`` on Hopper for the widths it supports (its
-    gpu tests and benchmark ran on an H200, benchmarks/NOTES.md), ``"triton"`` on other CUDA
-    GPUs and widths, ``None`` (the torch reference) on the CPU and on ROCm, where neither kernel
-    is built or tested."""
+# The TileLang kernel gathers each query's keys once per 64-head block whatever the head count,
+# so it takes about the same time from 8 to 64 heads per group; the Triton kernel is faster up
+# to 32 heads and slower from 48 (H100, 16k tokens, benchmarks/NOTES.md).
+_TILELANG_MIN_HEADS = 33
+
+
+def tilelang_runs(arch: Arch, dim: int, heads_per_group: int) -> bool:
+    """Whether the entry runs the TileLang kernel for this arch and shape: Hopper, more than 32
+    heads per kv group, ``D`` a multiple of 64 from 128 to 768 (``precompile`` builds the same
+    set)."""
+    if not (arch.is_hopper and heads_per_group >= _TILELANG_MIN_HEADS):
+        return False
+    from dsa_sparse_attention._tilelang.probs import probs_kernel_supports
+
+    return probs_kernel_supports(dim)
+
+
+def _gpu_kernel(device: torch.device, dim: int, heads_per_group: int) -> str | None:
+    """The kernel the entry runs: ``"tilelang"`` where :func:`tilelang_runs`, ``"triton"`` on
+    other CUDA GPUs, head counts and widths, ``None`` (the torch reference) on the CPU and on
+    ROCm, where neither kernel is built or tested."""
     if device.type != "cuda" or torch.version.hip is not None:
         return None
-    if device_arch(device).is_hopper:
-        from dsa_sparse_attention._tilelang.probs import probs_kernel_supports
-
-        if probs_kernel_supports(dim):
-            return "tilelang"
-    return "triton"
+    return "tilelang" if tilelang_runs(device_arch(device), dim, heads_per_group) else "triton"
 
 
 @torch.library.custom_op("dsa_sparse_attention::probs", mutates_args=())
 def _probs_op(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
-    kernel = _gpu_kernel(q.device, q.shape[-1])
+    kernel = _gpu_kernel(q.device, q.shape[-1], q.shape[2] // kv.shape[2])
     if kernel == "tilelang":
         from dsa_sparse_attention._tilelang.probs import sparse_attention_probs_tilelang
 
@@ -81,9 +92,10 @@ def sparse_attention_probs(
 
     Args:
         q, kv, indices, sm_scale: as in :func:`sparse_attention` (``sm_scale`` default
-            ``1 / sqrt(D)``). On Hopper a TileLang kernel runs ``D`` a multiple of 64 from
-            128 to 768; other widths and other CUDA GPUs run a Triton kernel, which needs ``D``
-            a power of two >= 16 or one plus a smaller power of two >= 16 (512, 576, ...).
+            ``1 / sqrt(D)``). On Hopper a TileLang kernel runs more than 32 heads per kv group
+            with ``D`` a multiple of 64 from 128 to 768; other cases on CUDA run a Triton
+            kernel, which needs ``D`` a power of two >= 16 or one plus a smaller power of two
+            >= 16 (512, 576, ...).
         lse: float32 ``[B, S, H]``, natural log, sink included (the forward's ``lse``).
 
     Returns:
@@ -102,14 +114,14 @@ def sparse_attention_probs(
         layout=f"[B={b}, S={s}, H={h}]",
         device=q.device,
     )
-    if _gpu_kernel(q.device, d) == "triton":
+    if _gpu_kernel(q.device, d, h // kv.shape[2]) == "triton":
         from dsa_sparse_attention._triton import split_width
 
         if split_width(d) is None:
             raise ValueError(
                 f"{_OP}: q.shape[-1] = {d} must be a power of two >= 16, or one plus a smaller "
-                "power of two >= 16 (e.g. 512, 576), or on Hopper a multiple of 64 from 128 to "
-                "768, for the GPU kernels"
+                "power of two >= 16 (e.g. 512, 576) for the Triton kernel (on Hopper with more "
+                "than 32 heads per kv group: or a multiple of 64 from 128 to 768)"
             )
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)

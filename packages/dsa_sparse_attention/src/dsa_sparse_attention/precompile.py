@@ -48,20 +48,21 @@ def precompile(
         deterministic: the mode the calls will run in, as ``sparse_attention``'s argument
             (``None``: as ``torch.use_deterministic_algorithms``).
         probs: also build the kernel of ``sparse_attention_probs`` (the indexer's training
-            target) for each shape.
+            target) for each shape that runs it (more than 32 heads per kv group).
         max_workers: parallel builds.
 
     Returns:
         The number of kernels built (or found in the cache). Shapes whose config runs no
         TileLang kernel on ``arch`` build nothing, and so does any arch other than Hopper.
     """
+    from dsa_sparse_attention._probs import tilelang_runs
     from dsa_sparse_attention._tilelang import (
         check_backward_config,
         check_forward_config,
         compile_backward,
         compile_forward,
     )
-    from dsa_sparse_attention._tilelang.probs import BLOCK, compile_probs, probs_kernel_supports
+    from dsa_sparse_attention._tilelang.probs import BLOCK, compile_probs
 
     arch = device_arch() if arch is None else parse_arch(arch) if isinstance(arch, str) else arch
     if arch.vendor == "cpu":
@@ -91,7 +92,7 @@ def precompile(
             )
             check_backward_config(*hw, *(value for _, value in tiling))
             jobs.add((compile_backward, (*hw, shape.topk), (*tiling, ("target", target))))
-        if probs and probs_kernel_supports(shape.d_qk):
+        if probs and tilelang_runs(arch, shape.d_qk, shape.heads // shape.groups):
             topk = round_up(shape.topk, BLOCK)
             jobs.add((compile_probs, (shape.heads, shape.groups, shape.d_qk, topk, target), ()))
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:

@@ -42,9 +42,9 @@ At the end ``l >= 1`` exactly when some key was valid; the output is ``acc / (l 
 the sink folded in as ``logaddexp2(lse2, sink * log2(e))``.
 
 Padding: an index ``i`` is valid when ``0 <= i < S_kv``; columns past the real ``topk`` (up to
-the static ``topk_padded``) are invalid too. Every row is gathered from
-``clamp(i, 0, S_kv - 1)`` (one clamp per row when its index is loaded, none in the copy loop), so
-nothing is read out of bounds and the gathered values are finite; the mask makes invalid scores
+the static ``topk_padded``) are invalid too. A valid row is gathered; an invalid one is filled
+with zeros without a read (its copy's address is ``clamp(i, 0, S_kv - 1)``, in bounds), so
+nothing is read out of bounds and the stage values are finite; the mask makes invalid scores
 ``-inf``, i.e. probability 0.
 
 The tiling (``block_i``, ``num_stages``) has no default here: it comes from the caller's
@@ -160,7 +160,6 @@ def gather_warpgroup_macro(
     topk,
     seq_len_kv,
     producer_first_thread: int,
-    zero_fill_padding: bool = False,
 ):
     """The producer of a program that walks one index row in ``n_blocks`` blocks of ``block_i``
     keys, shared by the forward and ``sparse_attention_probs``' kernel: the macro
@@ -174,10 +173,11 @@ def gather_warpgroup_macro(
     carries ``KV``, ``Indices``, ``b``, ``s``, ``g``, ``tx`` and the ``idx`` registers
     (``block_i // 16`` int32).
 
-    A padding slot's row is read from a clamped index (in bounds, masked by ``valid``); with
-    ``zero_fill_padding`` its copies read nothing and fill the stage row with zeros instead (a
-    ``cp.async`` source size of 0), which saves the L2 traffic of the padding (a quarter of the
-    slots of causal indices at 4k tokens and topk 2048).
+    A padding slot's copies read nothing and fill the stage row with zeros (a ``cp.async``
+    source size of 0; the address is still a clamped, in-bounds row, masked by ``valid``). That
+    saves the L2 traffic of the padding (a quarter of the slots of causal indices at 4k tokens
+    and topk 2048): the forward took 0.66x the time of reading the clamped row at glm5 4k and
+    0.90x at 16k on an H100 (benchmarks/NOTES.md), with the same output bits.
     """
     bi, ns = block_i, num_stages
     passes = bi // _PRODUCER_ROWS
@@ -204,7 +204,7 @@ def gather_warpgroup_macro(
             if tp % 8 == 0:
                 k.valid[s, row] = (idx >= 0) & (idx < seq_len_kv)
             src = T.min(T.max(idx, 0), seq_len_kv - 1)
-            pred = ((idx >= 0) & (idx < seq_len_kv)) if zero_fill_padding else None
+            pred = (idx >= 0) & (idx < seq_len_kv)
             for u in T.unroll(half // 64):
                 T.ptx_cp_async(
                     T.access_ptr(k.kv_l[s, row, u * 64 + c0], "w", 8),

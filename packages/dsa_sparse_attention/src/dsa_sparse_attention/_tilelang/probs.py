@@ -20,9 +20,9 @@ A group of more than 64 heads runs in ``n_hblk`` head blocks, one program each, 
 separate planes of the output (``[n_hblk, B, S, G, topk]``, summed by the caller): no atomics,
 so the result is the same bits on every run.
 
-Padding: as in the forward, an index is a key when it lies in ``[0, S_kv)`` and every row is
-gathered from a clamped index, so nothing is read out of bounds; invalid slots get 0, and so do
-the padded heads (loaded as 0 with ``lse2 = +inf``).
+Padding: as in the forward, an index is a key when it lies in ``[0, S_kv)``; an invalid slot's
+row is zero-filled without a read, so nothing is read out of bounds; invalid slots get 0, and so
+do the padded heads (loaded as 0 with ``lse2 = +inf``).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations, which
@@ -119,7 +119,6 @@ def build_probs(heads: int, groups: int, dim: int, topk_padded: int):
         topk,
         seq_len_kv,
         producer_first_thread=128,
-        zero_fill_padding=True,
     )
 
     @T.macro
