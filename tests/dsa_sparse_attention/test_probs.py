@@ -14,8 +14,9 @@ import pytest
 import torch
 from dsa_bench.dense import dense_attention
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
-from dsa_sparse_attention._triton import split_width
+from dsa_sparse_attention._triton import launch_config, split_width
 from kernel_common import ARCH_ENV, device_arch
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK
 from kernel_common.testing import assert_close, poisoned
 from support import (
     as_padding,
@@ -107,6 +108,56 @@ def test_split_width():
     assert split_width(576) == (512, 64) and split_width(512) == (512, 0)
     assert split_width(80) == (64, 16) and split_width(16) == (16, 0)
     assert split_width(100) is None and split_width(8) is None and split_width(72) is None
+
+
+def test_triton_launch_config():
+    """The fastest launch (64 slots, 2 stages) at the model widths; wider rows and smaller
+    shared memories give up slots, then stages; None where nothing fits or D has no split."""
+    hopper, small = HOPPER_SMEM_PER_BLOCK, 99 * 1024
+    assert launch_config(576, 64, hopper) == launch_config(512, 8, hopper) == (64, 2)
+    assert launch_config(768, 40, hopper) == (32, 2)  # (64, 2) needs 289 KiB
+    assert launch_config(1024, 64, hopper) == (32, 1) and launch_config(1024, 8, hopper) == (32, 2)
+    assert launch_config(576, 64, small) == (16, 1) and launch_config(576, 8, small) == (32, 2)
+    assert launch_config(2048, 64, hopper) is None and launch_config(1536, 33, hopper) is None
+    assert launch_config(2048, 8, hopper) == (32, 1) and launch_config(100, 8, hopper) is None
+
+
+# (D, heads per group, shared memory limit): the model widths, the widest Hopper rows at one
+# head block of 64 and of 16, and a 99 KiB device (sm_89, sm_120).
+_LAUNCH_CASES = [
+    (576, 64, HOPPER_SMEM_PER_BLOCK),
+    (768, 40, HOPPER_SMEM_PER_BLOCK),
+    (1024, 64, HOPPER_SMEM_PER_BLOCK),
+    (2048, 8, HOPPER_SMEM_PER_BLOCK),
+    (576, 64, 99 * 1024),
+]
+
+
+@pytest.mark.parametrize("d,hg,limit", _LAUNCH_CASES, ids=str)
+def test_triton_launch_fits(d, hg, limit):
+    """Triton's own shared-memory allocation of the chosen launch, compiled for sm_90 with the
+    launch's 16-byte-aligned pointers (as it specialises them at run time: what turns the
+    key loads into staged cp.async copies), is within the limit (no GPU: the 768-wide case
+    once failed on the H100 with 295936 bytes)."""
+    import triton
+    from dsa_sparse_attention._triton import probs
+    from kernel_common.constants import LOG2E
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    block_k, stages = launch_config(d, hg, limit)
+    pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "lse_ptr": "*fp32"}
+    signature = {**pointers, "out_ptr": "*fp32", "S": "i32", "S_kv": "i32", "TOPK": "i32"}
+    signature["scale2"] = "fp32"
+    d_main, d_tail = split_width(d)
+    constexprs = dict(G=1, HG=hg, D=d, D_MAIN=d_main, D_TAIL=d_tail, HB=probs.head_block(hg))
+    constexprs.update(BLOCK_K=block_k, DOT_FP32=False, LOG2E_=LOG2E)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    source = ASTSource(probs._probs_kernel, signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": probs._WARPS, "num_stages": stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert 0 < compiled.metadata.shared <= limit
 
 
 def test_opcheck_and_compile():
@@ -299,7 +350,8 @@ _GPU_CASES = [
     (96, 2, 512, 320, "out_of_range"),
     (8, 1, 192, 320, "tail"),
     (4, 1, 80, 50, "mixed"),
-    (40, 1, 768, 130, "tail"),  # the TileLang kernel's widest width (two stages)
+    (40, 1, 768, 130, "tail"),  # the TileLang kernel's widest width; Triton: 32 slots
+    (16, 1, 1024, 100, "shuffled"),  # a width only the Triton kernel runs (32 slots)
 ]
 
 
@@ -397,11 +449,25 @@ def test_gpu_graph_replays_and_lengths(kernel):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_entry():
+def test_gpu_rejects_widths_without_a_kernel():
+    """Widths no kernel runs raise before any launch, naming the argument."""
+    gen = seeded_gen("probs widths")
+    for heads, d in ((64, 2048), (8, 100), (40, 1536)):
+        q, kv, _ = attention_inputs(1, 4, 8, heads, 1, d, gen, device="cuda")
+        idx = attention_indices(1, 4, 1, 16, 8, "shuffled", gen, device="cuda")
+        lse = torch.zeros(1, 4, heads, device="cuda")
+        with pytest.raises(ValueError, match=rf"q.shape\[-1\] = {d} must be"):
+            sparse_attention_probs(q, kv, idx, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [64, 8])
+def test_gpu_compiled_entry(heads):
     """The entry under torch.compile (fullgraph, dynamic lengths) gives the eager bits: the
-    kernel choice traces and the custom op runs the same kernel."""
-    heads, d = 64, 576
-    gen = seeded_gen("probs compiled")
+    kernel choice and the width check trace, and the custom op runs the same kernel (on Hopper
+    TileLang at 64 heads, Triton at 8)."""
+    d = 576
+    gen = seeded_gen("probs compiled", heads)
     compiled = torch.compile(sparse_attention_probs, fullgraph=True, dynamic=True)
     for s, s_kv, topk in ((40, 500, 200), (57, 700, 256)):
         q, kv, _ = attention_inputs(1, s, s_kv, heads, 1, d, gen, device="cuda")

@@ -1,6 +1,14 @@
 import pytest
 import torch
-from kernel_common import ARCH_ENV, Arch, device_arch, parse_arch, tilelang_target
+from kernel_common import (
+    ARCH_ENV,
+    Arch,
+    device_arch,
+    parse_arch,
+    shared_memory_per_block,
+    tilelang_target,
+)
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK
 
 
 def test_parse_arch_names():
@@ -82,3 +90,12 @@ def test_cuda_device_arch_is_cached(monkeypatch):
     assert a.vendor in ("cuda", "rocm")
     assert (a.major, a.minor) == torch.cuda.get_device_capability(0)
     assert device_arch(0) is a
+
+
+@pytest.mark.gpu
+def test_cuda_shared_memory_per_block():
+    """The device's opt-in limit: more than the 48 KiB default, and Hopper's 227 KiB there."""
+    smem = shared_memory_per_block(torch.device("cuda"))
+    assert smem > 48 * 1024
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert smem == HOPPER_SMEM_PER_BLOCK

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kernel_common import Arch, check_indices, check_tensor, device_arch
+from kernel_common import Arch, check_indices, check_tensor, device_arch, shared_memory_per_block
 
 from dsa_sparse_attention import reference
 from dsa_sparse_attention._ops import check_attention_inputs
@@ -95,7 +95,9 @@ def sparse_attention_probs(
             ``1 / sqrt(D)``). On Hopper a TileLang kernel runs more than 32 heads per kv group
             with ``D`` a multiple of 64 from 128 to 768; other cases on CUDA run a Triton
             kernel, which needs ``D`` a power of two >= 16 or one plus a smaller power of two
-            >= 16 (512, 576, ...).
+            >= 16 (512, 576, ...) and ``(min(64, heads per group rounded up to a power of two
+            >= 16) + 16) * D * 2`` bytes of shared memory per block (up to 1024 wide at 64
+            heads per group on Hopper).
         lse: float32 ``[B, S, H]``, natural log, sink included (the forward's ``lse``).
 
     Returns:
@@ -114,14 +116,18 @@ def sparse_attention_probs(
         layout=f"[B={b}, S={s}, H={h}]",
         device=q.device,
     )
-    if _gpu_kernel(q.device, d, h // kv.shape[2]) == "triton":
-        from dsa_sparse_attention._triton import split_width
+    hg = h // kv.shape[2]
+    if _gpu_kernel(q.device, d, hg) == "triton":
+        from dsa_sparse_attention._triton import launch_config
 
-        if split_width(d) is None:
+        smem = shared_memory_per_block(q.device)
+        if launch_config(d, hg, smem) is None:
             raise ValueError(
                 f"{_OP}: q.shape[-1] = {d} must be a power of two >= 16, or one plus a smaller "
-                "power of two >= 16 (e.g. 512, 576) for the Triton kernel (on Hopper with more "
-                "than 32 heads per kv group: or a multiple of 64 from 128 to 768)"
+                "power of two >= 16 (e.g. 512, 576), whose rows of a head block and 16 keys "
+                f"fit the device's {smem} bytes of shared memory per block, for the Triton "
+                "kernel (on Hopper with more than 32 heads per kv group: or a multiple of 64 "
+                "from 128 to 768)"
             )
     if sm_scale is None:
         sm_scale = reference.default_sm_scale(d)

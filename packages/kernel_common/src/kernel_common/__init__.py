@@ -1,6 +1,14 @@
 """Shared core of the DSA kernel packages: arch detection, config tables, test/timing helpers."""
 
-from kernel_common.arch import ARCH_ENV, Arch, device_arch, parse_arch, sm_count, tilelang_target
+from kernel_common.arch import (
+    ARCH_ENV,
+    Arch,
+    device_arch,
+    parse_arch,
+    shared_memory_per_block,
+    sm_count,
+    tilelang_target,
+)
 from kernel_common.config import (
     ConfigTable,
     KeyField,
@@ -27,6 +35,7 @@ __all__ = [
     "heads_bucket",
     "next_pow2",
     "parse_arch",
+    "shared_memory_per_block",
     "sm_count",
     "tilelang_target",
 ]

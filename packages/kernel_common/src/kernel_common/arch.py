@@ -106,6 +106,20 @@ def _query_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# A constant of a traced graph, as device_arch: entries check a launch against it while traced.
+@torch.compiler.assume_constant_result
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one thread block of the CUDA ``device`` may opt into (227 KiB on
+    Hopper and Blackwell B200, 99 KiB on sm_89 / sm_120; cached per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _query_shared_memory(index)
+
+
+@functools.cache
+def _query_shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
 def tilelang_target(arch: Arch) -> dict[str, str]:
     """The TileLang compile target for ``arch``.
 

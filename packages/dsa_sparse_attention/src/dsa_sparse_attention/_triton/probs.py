@@ -17,17 +17,42 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kernel_common import next_pow2
-from kernel_common.constants import LOG2E
+from kernel_common import next_pow2, shared_memory_per_block
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E
 
-# Launch: 64 slots per step (the N side of the product), one warpgroup, 2 stages of the key
-# gather in flight: the fastest of 32/64/128 slots x 4/8 warps x 1/2/3 stages at glm5 64 and 8
-# heads, 16k tokens on the H200 (10.3 and 5.7 ms; 8 warps 15.3 and 6.6 ms;
-# benchmarks/results/probs_sweep.log).
-_BLOCK_K = 64
+# Launches (BLOCK_K, num_stages) in order of preference, the first whose shared memory fits
+# the device: 64 slots per step (the N side of the product) with 2 stages of the key gather in
+# flight is the fastest of 32/64/128 slots x 4/8 warps x 1/2/3 stages at glm5 64 and 8 heads,
+# 16k tokens on the H200 (10.3 and 5.7 ms; 8 warps 15.3 and 6.6 ms;
+# benchmarks/results/probs_sweep.log); wider rows (768 at 64 heads needs 289 KiB that way) keep
+# the pipelining with fewer slots first, then drop it.
+_LAUNCHES = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
 _WARPS = 4
-_STAGES = 2
 _MAX_HEAD_BLOCK = 64
+# Triton's shared memory beyond the Q block and the staged key tiles (its barriers): 1 KiB for
+# sm_90 (tests/dsa_sparse_attention/test_probs.py::test_triton_launch_fits compiles and checks).
+_SMEM_SLACK = 1024
+
+
+def head_block(heads_per_group: int) -> int:
+    """The rows of one head block (the M side of the product; 16 is the tensor-core minimum)."""
+    return min(max(16, next_pow2(heads_per_group)), _MAX_HEAD_BLOCK)
+
+
+def launch_config(d: int, heads_per_group: int, smem_limit: int) -> tuple[int, int] | None:
+    """``(BLOCK_K, num_stages)`` for ``D`` and heads per group within ``smem_limit`` bytes of
+    shared memory per block, or None where D has no :func:`split_width` or no launch fits.
+
+    The kernel keeps the head block's Q and ``num_stages`` gathered key tiles in shared memory:
+    ``(head_block + num_stages * BLOCK_K) * D * 2`` bytes plus the slack.
+    """
+    if split_width(d) is None:
+        return None
+    hb = head_block(heads_per_group)
+    for block_k, stages in _LAUNCHES:
+        if (hb + stages * block_k) * d * 2 + _SMEM_SLACK <= smem_limit:
+            return block_k, stages
+    return None
 
 
 @triton.jit
@@ -114,17 +139,26 @@ def sparse_attention_probs_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
     """Head-summed probabilities, float32 ``[B, S, G, topk]``, on CUDA (or CPU under
-    ``TRITON_INTERPRET=1``). Shapes as in ``dsa_sparse_attention.sparse_attention_probs``;
-    ``D`` must have a :func:`split_width`. No host synchronisation."""
+    ``TRITON_INTERPRET=1``, launched as on a Hopper). Shapes as in
+    ``dsa_sparse_attention.sparse_attention_probs``; ``D`` and the heads per group must have a
+    :func:`launch_config` on the device (ValueError otherwise). No host synchronisation."""
     b, s, h, d = q.shape
     s_kv, g = kv.shape[1], kv.shape[2]
     topk = indices.shape[-1]
-    d_main, d_tail = split_width(d)
     hg = h // g
+    interpreted = q.device.type == "cpu"  # the interpreter has no bf16 matmul
+    smem = HOPPER_SMEM_PER_BLOCK if interpreted else shared_memory_per_block(q.device)
+    launch = launch_config(d, hg, smem)
+    if launch is None:
+        raise ValueError(
+            f"D = {d} at {hg} heads per group: the Triton probs kernel has no launch within "
+            f"{smem} bytes of shared memory per block (see launch_config)"
+        )
+    block_k, stages = launch
+    d_main, d_tail = split_width(d)
     out = torch.empty(b, s, g, topk, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    interpreted = q.device.type == "cpu"  # the interpreter has no bf16 matmul
     _probs_kernel[(b * s * g,)](
         q.contiguous(),
         kv.contiguous(),
@@ -140,11 +174,11 @@ def sparse_attention_probs_triton(
         D=d,
         D_MAIN=d_main,
         D_TAIL=d_tail,
-        HB=min(max(16, next_pow2(hg)), _MAX_HEAD_BLOCK),
-        BLOCK_K=_BLOCK_K,
+        HB=head_block(hg),
+        BLOCK_K=block_k,
         DOT_FP32=interpreted,
         LOG2E_=LOG2E,
         num_warps=_WARPS,
-        num_stages=_STAGES,
+        num_stages=stages,
     )
     return out
