@@ -113,28 +113,32 @@ _MEASURED = "backward measured H200 (sweep and dsa-bench, 16k tokens)"
 _HOPPER_DETERMINISTIC = dataclasses.replace(_HOPPER_SMALL, split_store=4, deterministic=True)
 _MEASURED_DETERMINISTIC = "deterministic backward measured H200 at 8 and 64 heads, D=576"
 
-# Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built on the
-# H200 (results/sparse_attention_forward_backends.csv: every model and TP size at 4k and 16k,
-# 64k at 8 and 64 heads). Long index lists (glm5 2048, glm5.3 2112): FlashMLA at every head
-# count (TileLang takes 1.42-1.69x its time at 4k, 1.10-1.16x at 16k, 1.04-1.12x at 64k),
-# except glm5.3-flash-notail at 8 heads 64k (TileLang 3% faster). Short ones (dsv4.1, 640):
-# TileLang at 8 and 32 heads (FlashMLA takes 1.07-1.24x its time at every length); at 64 heads
-# FlashMLA wins 16k and 64k by 3-5% and loses 4k by 6%: the longer lengths decide. Where
-# FlashMLA is not importable the forward is TileLang (resolve_config says so).
+# Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built, both
+# backends in one run. First on the H200 (results/sparse_attention_forward_backends.csv: every
+# model and TP size at 4k and 16k, 64k at 8 and 64 heads): FlashMLA won every long index list
+# (glm5 2048, glm5.3 2112; TileLang 1.42-1.69x its time at 4k, 1.10-1.16x at 16k) and TileLang
+# the short ones (dsv4.1, 640) at 8 and 32 heads. Then, after the TileLang forward's producer
+# began zero-filling padding rows (0.9x at 16k), on an H100 (no H200 was lent;
+# results/sparse_attention_forward_backends_h100.csv): FlashMLA still wins the 576-wide rows
+# (glm5, glm5.3-flash: 1.00-1.09x at 16k), TileLang now wins the 512-wide long rows at 16k
+# (glm5.3-flash-notail: FlashMLA 1.05x at 8 heads, 1.06x at 16 and 64; at 4k 0.95x / 1.10x /
+# 1.00x) and dsv4.1 at 64 heads at every length (FlashMLA 1.03x at 4k, 1.06x at 16k, 1.02x at
+# 64k). Where the lengths disagree the longer ones decide. Where FlashMLA is not importable the
+# forward is TileLang (resolve_config says so).
 _FORWARD = {
     # (tail, topk bucket, heads bucket): (forward backend, how it was chosen)
     (True, 2048, 8): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
     (True, 2048, 16): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k"),
     (True, 2048, 32): ("flash_mla", "FlashMLA forward: no 32-head model, as the 16 / 64 rows"),
     (True, 2048, 64): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
-    (False, 2048, 8): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k, not 64k"),
-    (False, 2048, 16): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k"),
-    (False, 2048, 32): ("flash_mla", "FlashMLA forward: no 32-head model, as the 16 / 64 rows"),
-    (False, 2048, 64): ("flash_mla", "FlashMLA forward measured fastest at 4k / 16k / 64k"),
+    (False, 2048, 8): ("tilelang", "TileLang forward measured fastest at 16k (H100), 64k"),
+    (False, 2048, 16): ("tilelang", "TileLang forward measured fastest at 4k / 16k (H100)"),
+    (False, 2048, 32): ("tilelang", "TileLang forward: no 32-head model, as the 16 / 64 rows"),
+    (False, 2048, 64): ("tilelang", "TileLang forward measured fastest at 16k (H100), tie at 4k"),
     (False, 1024, 8): ("tilelang", "TileLang forward measured fastest at 4k / 16k / 64k"),
     (False, 1024, 16): ("tilelang", "TileLang forward: no 16-head model, as the 8 / 32 rows"),
     (False, 1024, 32): ("tilelang", "TileLang forward measured fastest at 4k / 16k"),
-    (False, 1024, 64): ("flash_mla", "FlashMLA forward measured fastest at 16k / 64k, not 4k"),
+    (False, 1024, 64): ("tilelang", "TileLang forward measured fastest at 4k / 16k / 64k (H100)"),
     **{
         (True, 1024, h): ("tilelang", "forward unmeasured: no model has a tail and topk <= 1024")
         for h in (8, 16, 32, 64)
