@@ -155,6 +155,12 @@ def test_resolve_config_on_cuda(monkeypatch):
     found = resolve_config(q, kv, idx, config=asked)
     assert found.config == dataclasses.replace(asked, forward_backend="tilelang")
     assert "flash_mla not importable" in found.source
+    # A Triton forward runs where the width splits as d_v plus a power of two, else TileLang.
+    asked = SparseAttentionConfig(forward_backend="triton")
+    assert resolve_config(q, kv, idx, config=asked).config == asked
+    odd = resolve_config(fake_cuda(1, 1, 16, 704), fake_cuda(1, 1, 1, 704), idx, config=asked)
+    assert odd.config == dataclasses.replace(asked, forward_backend="tilelang")
+    assert odd.source.endswith("the triton forward does not run this width: tilelang forward")
     # ... and Blackwell's FlashMLA row as the torch reference.
     monkeypatch.setenv(ARCH_ENV, "sm_100")
     found = resolve_config(q, kv, idx)
@@ -206,7 +212,7 @@ def test_every_table_row_passes_the_kernel_checks():
     for row in rows:
         key = dict(row.key)
         dim = 576 if key["rope_tail"] else 512
-        assert row.config.forward_backend in ("tilelang", "flash_mla")
+        assert row.config.forward_backend in ("tilelang", "triton", "flash_mla")
         assert row.config.backward_backend == "tilelang"
         assert row.config.deterministic == key["deterministic"]
         # A FlashMLA row runs the TileLang forward where FlashMLA is not importable.
@@ -232,6 +238,12 @@ def test_guard_refuses_what_the_kernels_cannot_run():
         _check_runnable(SparseAttentionConfig(split_store=3), HOPPER, 64, 1, 576, 512)
     with pytest.raises(ValueError, match="Hopper"):
         _check_runnable(SparseAttentionConfig(), Arch("cuda", 10, 0), 64, 1, 576, 512)
+    triton = SparseAttentionConfig(forward_backend="triton", backward_backend="torch")
+    with pytest.raises(ValueError, match=r"forward_backend='triton' needs q.shape\[-1\] = 704"):
+        _check_runnable(triton, HOPPER, 8, 1, 704, 512)
+    with pytest.raises(ValueError, match="no launch within 50000 bytes of shared memory"):
+        _check_runnable(triton, HOPPER, 8, 1, 576, 512, smem_limit=50_000)
+    _check_runnable(triton, Arch("cuda", 10, 0), 8, 1, 576, 512)  # Triton: any CUDA arch
     # The torch backends need no check, whatever the tiling fields hold.
     torch_only = dataclasses.replace(TORCH_CONFIG, forward_block_i=48, split_store=3)
     _check_runnable(torch_only, Arch("cuda", 10, 0), 64, 1, 576, 512)
@@ -338,19 +350,32 @@ def test_compile_forward_backward_dynamic():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,dim,topk,sink", [(64, 576, 2048, False), (8, 512, 640, True)])
-def test_gpu_public_op_against_the_reference(heads, dim, topk, sink):
-    """The public entry on CUDA with the table's config (custom ops, TileLang forward and
-    backward, the lse through autograd) against the fp32 torch reference."""
+@pytest.mark.parametrize("forward", ["table", "triton", "tilelang"])
+@pytest.mark.parametrize(
+    "heads,dim,topk,sink", [(64, 576, 2048, False), (8, 512, 640, True), (8, 576, 2048, False)]
+)
+def test_gpu_public_op_against_the_reference(heads, dim, topk, sink, forward):
+    """The public entry on CUDA with the table's config, or its row with the Triton or the
+    TileLang forward swapped in (custom ops, the TileLang backward from that forward's lse, the
+    lse through autograd), against the fp32 torch reference."""
     from dsa_sparse_attention import reference
 
     gen = seeded_gen("public op gpu", heads, dim, topk, sink)
     s, s_kv = 96, 2500
     q, kv, attn_sink = attention_inputs(1, s, s_kv, heads, 1, dim, gen, sink=sink, device="cuda")
     idx = attention_indices(1, s, 1, topk, s_kv, "shuffled", gen, device="cuda")
+    config = None
+    if forward != "table":
+        config = dataclasses.replace(resolve_config(q, kv, idx).config, forward_backend=forward)
+        assert resolve_config(q, kv, idx, config=config).config.forward_backend == forward
     leaves = [x.clone().requires_grad_() for x in (q, kv) + ((attn_sink,) if sink else ())]
     out, lse = sparse_attention(
-        leaves[0], leaves[1], idx, attn_sink=leaves[2] if sink else None, return_lse=True
+        leaves[0],
+        leaves[1],
+        idx,
+        attn_sink=leaves[2] if sink else None,
+        return_lse=True,
+        config=config,
     )
     dout = torch.randn(out.shape, generator=gen).bfloat16().cuda()
     dlse = torch.randn(lse.shape, generator=gen).cuda()

@@ -4,9 +4,10 @@ Covers the padding cases the kernels must survive without touching memory out of
 tails, shuffled -1, whole rows of -1, indices >= S_kv and < -1, duplicates, a sink and a tail
 that is not a block multiple. Each case runs the public ``sparse_attention`` (forward and
 backward, the table's row for its shape, then its deterministic row) and
-``sparse_attention_probs`` on the same indices (the TileLang kernel on Hopper) and the Triton
-probs kernel; ``sparse_attention_probs`` on those indices at 40, 64 and 70 heads (the TileLang
-kernel's head blocks of 64: a partial one, one full, a full and a partial);
+``sparse_attention_probs`` on the same indices (the TileLang kernel on Hopper), the Triton
+probs kernel and the Triton forward; ``sparse_attention_probs`` on those indices at 40, 64 and
+70 heads (the TileLang kernel's head blocks of 64: a partial one, one full, a full and a
+partial);
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
 logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
 ``indexer_kl_loss``
@@ -22,6 +23,7 @@ from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer, resol
 from dsa_indexer._triton.logits_topk import list_slots
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
 from dsa_sparse_attention._triton import sparse_attention_probs_triton
+from dsa_sparse_attention._triton.forward import sparse_attention_forward_triton
 
 from dsa_bench import common
 
@@ -62,9 +64,12 @@ def main() -> None:
         args = (q.detach(), kv.detach(), idx, lse.detach())
         target = sparse_attention_probs(*args)
         triton = sparse_attention_probs_triton(*args, dim**-0.5)
+        sink = attn_sink.detach() if sink else None
+        forward, _ = sparse_attention_forward_triton(*args[:3], sink, dim**-0.5, 512)
         torch.cuda.synchronize()
         print(f"  target finite={bool(torch.isfinite(target).all())}, "
-              f"triton finite={bool(torch.isfinite(triton).all())}")  # fmt: skip
+              f"triton finite={bool(torch.isfinite(triton).all())}, "
+              f"triton forward finite={bool(torch.isfinite(forward).all())}")  # fmt: skip
     for heads in (40, 64, 70):
         q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
         kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()

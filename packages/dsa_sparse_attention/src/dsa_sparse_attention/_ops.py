@@ -5,8 +5,8 @@ complete :class:`SparseAttentionConfig` (:func:`resolve_config`); the custom op
 ``dsa_sparse_attention::forward`` receives that config's fields as typed static arguments
 (custom ops take no dataclasses: ``kernel_common.define_config_op`` writes the fields into the
 schema), rebuilds the config, refuses a tiling the kernels cannot run for these shapes, and
-dispatches to ``_tilelang`` / ``_flash_mla`` / ``reference``; its registered autograd calls
-``dsa_sparse_attention::backward`` with the same config.
+dispatches to ``_tilelang`` / ``_triton`` / ``_flash_mla`` / ``reference``; its registered
+autograd calls ``dsa_sparse_attention::backward`` with the same config.
 
 Inside, the lse is in log2 units (``lse2``: the kernels' softmax runs on exp2); only the public
 entry converts it to the natural log the API returns.
@@ -27,10 +27,16 @@ from kernel_common import (
     config_fields,
     define_config_op,
     device_arch,
+    shared_memory_per_block,
 )
-from kernel_common.constants import LN2, LOG2E
+from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LN2, LOG2E
 
 from dsa_sparse_attention import _flash_mla, reference
+from dsa_sparse_attention._triton.forward import check_forward_config as check_triton_forward
+from dsa_sparse_attention._triton.forward import (
+    forward_supports,
+    sparse_attention_forward_triton,
+)
 from dsa_sparse_attention.config import CONFIG_TABLE, TORCH_CONFIG, SparseAttentionConfig
 
 _OP = "sparse_attention"
@@ -74,6 +80,12 @@ def _table_lookup(
             found.key,
         )
     cfg = found.config
+    if cfg.forward_backend == "triton" and not forward_supports(dim, d_v):
+        return Lookup(
+            dataclasses.replace(cfg, forward_backend="tilelang"),
+            f"{found.source}; the triton forward does not run this width: tilelang forward",
+            found.key,
+        )
     if cfg.forward_backend == "flash_mla" and not (
         _flash_mla.flash_mla_importable()
         and _flash_mla.flash_mla_supports(arch.major, heads, groups, dim, d_v)
@@ -135,10 +147,19 @@ def resolve_config(
 
 
 def _check_runnable(
-    cfg: SparseAttentionConfig, arch: Arch, heads: int, groups: int, dim: int, d_v: int
+    cfg: SparseAttentionConfig,
+    arch: Arch,
+    heads: int,
+    groups: int,
+    dim: int,
+    d_v: int,
+    smem_limit: int = HOPPER_SMEM_PER_BLOCK,
 ) -> None:
     """Raise ValueError, naming the field, if the config's kernels cannot run these shapes on
-    ``arch`` (before anything is compiled or launched)."""
+    ``arch`` with ``smem_limit`` bytes of shared memory per block (before anything is compiled
+    or launched)."""
+    if cfg.forward_backend == "triton":
+        check_triton_forward(dim, d_v, heads // groups, smem_limit)
     if cfg.forward_backend == "tilelang" or cfg.backward_backend == "tilelang":
         if not arch.is_hopper:
             raise ValueError(
@@ -179,7 +200,8 @@ def _forward_impl(
     arch = device_arch(q.device) if q.device.type == "cuda" else None
     if arch is not None:
         # Both halves of the config, before anything runs: the backward's too.
-        _check_runnable(cfg, arch, q.shape[2], kv.shape[2], q.shape[3], d_v)
+        smem = shared_memory_per_block(q.device)
+        _check_runnable(cfg, arch, q.shape[2], kv.shape[2], q.shape[3], d_v, smem)
     if arch is None or cfg.forward_backend == "torch":
         check_indices(_OP, "indices", indices, kv.shape[1], "S_kv")
         out, lse = reference.sparse_attention_forward_reference(
@@ -189,6 +211,15 @@ def _forward_impl(
     if cfg.forward_backend == "flash_mla":
         return _flash_mla.sparse_attention_forward_flash_mla(
             q, kv, indices, attn_sink, sm_scale, d_v, arch.major
+        )
+    if cfg.forward_backend == "triton":
+        return sparse_attention_forward_triton(
+            q,
+            kv,
+            indices,
+            attn_sink,
+            sm_scale,
+            d_v,
         )
     from dsa_sparse_attention._tilelang import sparse_attention_forward_tilelang
 

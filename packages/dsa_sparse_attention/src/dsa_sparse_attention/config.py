@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kernel_common import ConfigTable, KeyField, heads_bucket
 
-FORWARD_BACKENDS = ("tilelang", "flash_mla", "torch")
+FORWARD_BACKENDS = ("tilelang", "triton", "flash_mla", "torch")
 BACKWARD_BACKENDS = ("tilelang", "torch")
 DKV_REDUCE_MODES = ("tma", "atomic")
 _INT_FIELDS = (
@@ -33,11 +33,15 @@ class SparseAttentionConfig:
     launched.
 
     Attributes:
-        forward_backend: ``"tilelang"`` (Hopper), ``"flash_mla"`` (FlashMLA's sparse prefill,
-            optional: where it is not importable or does not support the shape, the TileLang
-            forward runs on Hopper and the torch reference elsewhere) or ``"torch"``.
+        forward_backend: ``"tilelang"`` (Hopper), ``"triton"`` (keys on the tensor-core M
+            side, for few heads per kv group; D must split as d_v plus 0 or a smaller power of
+            two, d_v a power of two), ``"flash_mla"`` (FlashMLA's sparse prefill, optional:
+            where it is not importable or does not support the shape, the TileLang forward runs
+            on Hopper and the torch reference elsewhere) or ``"torch"``.
         backward_backend: ``"tilelang"`` or ``"torch"``; either takes the lse of any forward.
         forward_block_i: keys per forward index block, one of 16, 32, 64 (topk is padded to it).
+            This and ``forward_stages`` tile the TileLang forward; the Triton forward picks its
+            own launch for the width and head count.
         forward_stages: K/V shared-memory stages of the forward's gather pipeline (>= 2).
         backward_block_i: keys per backward block (a multiple of 16).
         backward_stages: slots of the backward's K/V ring (>= 1).
