@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from dsa_sparse_attention import reference
+from dsa_sparse_attention._triton import forward
 from dsa_sparse_attention._triton.forward import forward_supports, head_block
 from dsa_sparse_attention._triton.probs import split_width
 from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LN2, LOG2E
@@ -54,7 +55,6 @@ def test_launch_fits(d, hg, limit):
     them at run time: what makes the key loads staged cp.async copies) takes no more shared
     memory than launch_config estimates, which is within the limit (no GPU)."""
     import triton
-    from dsa_sparse_attention._triton import forward
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -159,9 +159,15 @@ def _check_against_reference(q, kv, idx, attn_sink, name, sm_scale=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", forward._LAUNCHES, ids=lambda x: f"bk{x[0]}-st{x[1]}")
 @pytest.mark.parametrize("i", range(len(GPU_CASES)), ids=["-".join(map(str, c)) for c in GPU_CASES])
-def test_gpu_matches_reference(i):
-    _check_against_reference(*_gpu_inputs(GPU_CASES[i], 0), name=str(GPU_CASES[i]))
+def test_gpu_matches_reference(i, launch, monkeypatch):
+    """Every case at every launch ``launch_config`` may choose (the first that fits the device:
+    the others run where shared memory is smaller), where it fits a Hopper."""
+    heads, groups, dim = GPU_CASES[i][:3]
+    if forward.shared_memory_bytes(dim, heads // groups, *launch) <= HOPPER_SMEM_PER_BLOCK:
+        monkeypatch.setattr(forward, "launch_config", lambda *_: launch)
+    _check_against_reference(*_gpu_inputs(GPU_CASES[i], 0), name=f"{GPU_CASES[i]} {launch}")
 
 
 @pytest.mark.gpu
