@@ -35,7 +35,8 @@ class SparseAttentionConfig:
     Attributes:
         forward_backend: ``"tilelang"`` (Hopper), ``"triton"`` (keys on the tensor-core M
             side, for few heads per kv group; D must split as d_v plus 0 or a smaller power of
-            two, d_v a power of two), ``"flash_mla"`` (FlashMLA's sparse prefill, optional:
+            two, d_v a power of two; no table row selects it: not yet run on a GPU),
+            ``"flash_mla"`` (FlashMLA's sparse prefill, optional:
             where it is not importable or does not support the shape, the TileLang forward runs
             on Hopper and the torch reference elsewhere) or ``"torch"``.
         backward_backend: ``"tilelang"`` or ``"torch"``; either takes the lse of any forward.
