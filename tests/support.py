@@ -67,6 +67,22 @@ def run_interpreted(test_file: str, *, selector: str = "cpu_interp", timeout: in
     assert " passed" in summary and "skipped" not in summary, tail
 
 
+def compile_for_sm90(kernel, signature: dict, constexprs: dict, *, num_warps, num_stages):
+    """Compile a Triton kernel for sm_90 without a GPU, its pointer arguments (the ``*``-typed
+    entries of ``signature``, which lead it) marked 16-byte aligned as Triton specialises them
+    at run time: what makes pointer loads staged cp.async copies."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = sum(kind.startswith("*") for kind in signature.values())
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 # --------------------------------------------------------------------------- ranges
 
 

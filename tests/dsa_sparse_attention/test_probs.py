@@ -23,6 +23,7 @@ from support import (
     attention_indices,
     attention_inputs,
     check_graph_replays,
+    compile_for_sm90,
     interp_only,
     not_interpreted,
     run_interpreted,
@@ -139,11 +140,8 @@ def test_triton_launch_fits(d, hg, limit):
     launch's 16-byte-aligned pointers (as it specialises them at run time: what turns the
     key loads into staged cp.async copies), is within the limit (no GPU: the 768-wide case
     once failed on the H100 with 295936 bytes)."""
-    import triton
     from dsa_sparse_attention._triton import probs
     from kernel_common.constants import LOG2E
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     block_k, stages = launch_config(d, hg, limit)
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "lse_ptr": "*fp32"}
@@ -152,11 +150,9 @@ def test_triton_launch_fits(d, hg, limit):
     d_main, d_tail = split_width(d)
     constexprs = dict(G=1, HG=hg, D=d, D_MAIN=d_main, D_TAIL=d_tail, HB=probs.head_block(hg))
     constexprs.update(BLOCK_K=block_k, DOT_FP32=False, LOG2E_=LOG2E)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}
-    source = ASTSource(probs._probs_kernel, signature, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": probs._WARPS, "num_stages": stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = compile_for_sm90(
+        probs._probs_kernel, signature, constexprs, num_warps=probs._WARPS, num_stages=stages
+    )
     assert 0 < compiled.metadata.shared <= limit
 
 

@@ -22,6 +22,7 @@ from support import (
     attention_indices,
     attention_inputs,
     check_graph_replays,
+    compile_for_sm90,
     interp_only,
     not_interpreted,
     run_interpreted,
@@ -54,10 +55,6 @@ def test_launch_fits(d, hg, limit):
     """The chosen launch compiled for sm_90 with 16-byte-aligned pointers (as Triton specialises
     them at run time: what makes the key loads staged cp.async copies) takes no more shared
     memory than launch_config estimates, which is within the limit (no GPU)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     block_k, stages = forward.launch_config(d, hg, limit)
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32"}
     signature = {**pointers, "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -65,11 +62,13 @@ def test_launch_fits(d, hg, limit):
     d_main, d_tail = split_width(d)
     constexprs = dict(G=1, HG=hg, D=d, D_MAIN=d_main, D_TAIL=d_tail, HB=forward.head_block(hg))
     constexprs.update(BLOCK_K=block_k, HAS_SINK=True, DOT_FP32=False, LOG2E_=LOG2E)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    source = ASTSource(forward._forward_kernel, signature, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": forward.num_warps(hg), "num_stages": stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = compile_for_sm90(
+        forward._forward_kernel,
+        signature,
+        constexprs,
+        num_warps=forward.num_warps(hg),
+        num_stages=stages,
+    )
     estimate = forward.shared_memory_bytes(d, hg, block_k, stages)
     assert 0 < compiled.metadata.shared <= estimate <= limit
     assert "wgmma" in compiled.asm["ptx"], "O^T += V^T P^T must be a wgmma"

@@ -23,18 +23,7 @@ import triton.language as tl
 from kernel_common import next_pow2, shared_memory_per_block
 from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E
 
-from dsa_sparse_attention._triton.probs import _load_k, split_width
-
-
-@triton.jit
-def _load_q_t(q_ptr, q_row, h0, HG: tl.constexpr, D: tl.constexpr, col0, HB: tl.constexpr,
-              COLS: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
-    """Columns [col0, col0 + COLS) of heads h0 .. h0 + HB of the group, transposed: [COLS, HB]
-    (zero past HG)."""
-    h = h0 + tl.arange(0, HB)
-    cols = col0 + tl.arange(0, COLS)
-    x = tl.load(q_ptr + (q_row + h)[None, :] * D + cols[:, None], mask=(h < HG)[None, :], other=0.0)
-    return x.to(tl.float32) if DOT_FP32 else x
+from dsa_sparse_attention._triton.probs import _load_k, _load_q, split_width
 
 
 # Lengths vary from call to call: no specialisation on them, so a new length never recompiles.
@@ -70,9 +59,9 @@ def _forward_kernel(
     row_idx = idx_ptr + row * TOPK
     h = h0 + tl.arange(0, HB)
     h_ok = h < HG
-    qt_main = _load_q_t(q_ptr, q_row, h0, HG, D, 0, HB, D_MAIN, DOT_FP32)
+    qt_main = tl.trans(_load_q(q_ptr, q_row, h0, HG, D, 0, HB, D_MAIN, DOT_FP32))
     if D_TAIL > 0:
-        qt_tail = _load_q_t(q_ptr, q_row, h0, HG, D, D_MAIN, HB, D_TAIL, DOT_FP32)
+        qt_tail = tl.trans(_load_q(q_ptr, q_row, h0, HG, D, D_MAIN, HB, D_TAIL, DOT_FP32))
     m = tl.full([HB], float("-inf"), tl.float32)  # running max of the log2 logits
     denom = tl.zeros([HB], tl.float32)  # the softmax denominator at scale 2^-m
     acc = tl.zeros([D_MAIN, HB], tl.float32)  # O^T
