@@ -176,9 +176,9 @@ def plan_case(
     return Plan(model, tp, runs)
 
 
-def build_kernels(plans: list[Plan], arch, workers: int = 16) -> int:
+def build_kernels(plans: list[Plan], arch, forward_only: bool, workers: int = 16) -> int:
     """Build the TileLang kernels that the run will time, in parallel (``precompile``: nvcc,
-    no GPU). Returns the number of kernels."""
+    no GPU); with ``forward_only`` no backward. Returns the number of kernels."""
     jobs = {}
     for plan in plans:
         m = plan.model
@@ -188,7 +188,10 @@ def build_kernels(plans: list[Plan], arch, workers: int = 16) -> int:
         for lookup in {id(lookup): lookup for _, lookup, _ in plan.runs}.values():
             backends = [b for b, other, _ in plan.runs if other is lookup]
             forward = "tilelang" if "tilelang" in backends else backends[0]
-            jobs[(shape, dataclasses.replace(lookup.config, forward_backend=forward))] = None
+            config = dataclasses.replace(lookup.config, forward_backend=forward)
+            if forward_only:  # a backward that is never timed need not be built
+                config = dataclasses.replace(config, backward_backend="torch")
+            jobs[(shape, config)] = None
     per_job = max(1, workers // max(1, len(jobs)))
 
     def build(job) -> int:
@@ -470,7 +473,7 @@ def main(argv=None) -> int:
     arch = device_arch(device) if on_gpu else None
     if arch is not None and arch.is_hopper:
         t0 = time.perf_counter()
-        built = build_kernels(plans, arch)
+        built = build_kernels(plans, arch, args.forward_only)
         print(
             f"dsa-bench: {built} TileLang kernels built in {time.perf_counter() - t0:.0f} s",
             flush=True,
