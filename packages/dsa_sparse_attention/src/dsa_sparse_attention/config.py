@@ -35,7 +35,8 @@ class SparseAttentionConfig:
     Attributes:
         forward_backend: ``"tilelang"`` (Hopper), ``"triton"`` (keys on the tensor-core M
             side, for few heads per kv group; D must split as d_v plus 0 or a smaller power of
-            two, d_v a power of two; no table row selects it: not yet run on a GPU),
+            two, d_v a power of two; any CUDA GPU; slower than the TileLang forward on Hopper,
+            measured on an H100, so no table row selects it),
             ``"flash_mla"`` (FlashMLA's sparse prefill, optional:
             where it is not importable or does not support the shape, the TileLang forward runs
             on Hopper and the torch reference elsewhere) or ``"torch"``.

@@ -103,9 +103,16 @@ def _forward_kernel(
     tl.store(lse_ptr + q_row + h, lse2, mask=h_ok)
 
 
-# Launches (BLOCK_K, num_stages) in order of preference, the first whose shared memory fits
-# the device (PROVISIONAL: to be set from the sweep).
-_LAUNCHES = ((64, 3), (32, 5), (16, 6), (16, 3))
+# Launches (BLOCK_K, num_stages) per head block in order of preference: the first whose shared
+# memory fits the device. Measured on an H100 at 16k tokens (benchmarks/NOTES.md, 2026-12-06):
+# at a head block of 16 two 32-key tiles in flight (94 KiB, two programs per SM) beat 64-key
+# tiles (glm5 8 heads 11.46 against 12.08 ms, dsv4.1 8 heads 3.46 against 3.95); at 32 and 64
+# heads the 64-key tiles win (glm5 32 heads 14.2 against 16.2 ms, 64 heads 23.0 against 25.9).
+_LAUNCHES = {
+    16: ((32, 5), (64, 3), (16, 6), (16, 3)),
+    32: ((64, 3), (32, 5), (16, 6), (16, 3)),
+    64: ((64, 3), (32, 5), (16, 6), (16, 3)),
+}
 # Triton's shared memory beyond the Q^T block, the staged key tiles and the P^T tile (the index
 # rows, barriers); tests/dsa_sparse_attention/test_triton_forward.py compiles each launch and
 # checks the estimate.
@@ -119,7 +126,8 @@ def head_block(heads_per_group: int) -> int:
 
 def num_warps(heads_per_group: int) -> int:
     """Warps per program: the ``[d_v, HB]`` fp32 accumulator takes ``d_v * HB / (32 * warps)``
-    registers per thread, 64 at 512 x 16 with 4 warps; a 64-head block takes 8."""
+    registers per thread, 64 at 512 x 16 with 4 warps; a 64-head block takes 8 (measured on an
+    H100: 8 warps take 0.5x the time of 4 at 64 heads, 1.2-1.5x at 8 and 16)."""
     return 8 if head_block(heads_per_group) == 64 else 4
 
 
@@ -133,7 +141,7 @@ def key_buffers(num_stages: int) -> int:
 def launch_config(dim: int, heads_per_group: int, smem_limit: int) -> tuple[int, int] | None:
     """``(BLOCK_K, num_stages)`` for this width and head count within ``smem_limit`` bytes of
     shared memory per block, or None where none fits (:func:`shared_memory_bytes`)."""
-    for block_k, stages in _LAUNCHES:
+    for block_k, stages in _LAUNCHES[head_block(heads_per_group)]:
         if shared_memory_bytes(dim, heads_per_group, block_k, stages) <= smem_limit:
             return block_k, stages
     return None
