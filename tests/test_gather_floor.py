@@ -2,9 +2,11 @@
 CPU, fp32: the interpreter has no bf16), so the floor it times is the gather the attention
 kernels do."""
 
+import shutil
+
 import pytest
 import torch
-from dsa_bench.gather_floor import gather_sum, split_width
+from dsa_bench.gather_floor import copy_engine_library, gather_sum, split_width
 from support import interp_only, not_interpreted, run_interpreted, seeded_gen
 
 
@@ -30,3 +32,11 @@ def test_cpu_interp_gather_sum(dim):
     want = (kv[idx.clamp(0, s_kv - 1).long()] * valid[..., None]).sum(dim=(1, 2))
     got = gather_sum(kv, idx, block_k=16, warps=4, stages=2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_copy_engine_source_builds():
+    """gather_copy.cu compiles for sm_90a and exports its launcher (no GPU needed)."""
+    lib = copy_engine_library()
+    assert not isinstance(lib, str), lib
+    assert hasattr(lib, "gather_copy")

@@ -16,14 +16,25 @@ patterns of the same length:
 * ``contiguous``: query t reads rows ``t % (S - topk) ... + topk`` in order, the best case of
   the same byte count (each step reads contiguous memory).
 
-Prints the best time per pattern and the bytes per second it implies; writes
+On Hopper, where ``nvcc`` is found (``CUDA_HOME`` or ``PATH``), it also times the same gather
+through the copy engine (``gather_copy.cu``, built here for sm_90a): one ``cp.async.bulk`` per
+row (``bulk``), and 1-row x 64-column tensor copies with the 128-byte swizzle that a wgmma
+operand needs (``tensor``), both into a ring of shared-memory stages, one warp per query.
+
+Prints the best time per pattern and method and the bytes per second it implies; writes
 ``gather_floor.csv`` under ``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import itertools
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,7 +43,11 @@ import triton.language as tl
 
 from dsa_bench import common
 
-COLUMNS = ["pattern", "tokens", "topk", "dim", "block_k", "warps", "stages", "ms", "tb_per_s"]
+COLUMNS = [
+    "pattern", "method", "tokens", "topk", "dim", "block_k", "warps", "stages", "ms", "tb_per_s"
+]  # fmt: skip
+# The copy-engine kernels: (rows per stage, stages), as gather_copy.cu instantiates them.
+COPY_LAUNCHES = ((8, 2), (8, 4), (16, 2), (16, 4), (32, 2), (32, 3))
 
 
 @triton.jit
@@ -103,6 +118,46 @@ def gather_sum(
     return out
 
 
+def copy_engine_library() -> ctypes.CDLL | str:
+    """``gather_copy.cu`` built for sm_90a with nvcc (once per source, in the temp folder), or
+    why it cannot be."""
+    nvcc = shutil.which("nvcc")
+    if os.environ.get("CUDA_HOME"):
+        nvcc = shutil.which(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")) or nvcc
+    if nvcc is None:
+        return "no nvcc (set CUDA_HOME or PATH)"
+    source = Path(__file__).with_name("gather_copy.cu")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"dsa_bench_gather_copy_{digest}.so"
+    if not lib.exists():
+        part = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
+        cmd += ["-gencode=arch=compute_90a,code=sm_90a", str(source), "-o", str(part)]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode:
+            return f"nvcc failed: {built.stderr.strip()[-400:]}"
+        part.replace(lib)
+    return ctypes.CDLL(str(lib))
+
+
+def gather_copy(
+    lib: ctypes.CDLL, kv: torch.Tensor, idx: torch.Tensor, *, tensor: bool, rows: int, stages: int
+) -> torch.Tensor:
+    """fp32 ``[S]``: for each query row of ``idx`` ``[S, topk]`` (int32), the sum of column 0 of
+    the ``kv`` ``[S_kv, D]`` (bf16, D a multiple of 64) rows it selects, gathered through the
+    copy engine (``tensor``: swizzled 64-column tensor copies, else one bulk copy per row)."""
+    s, topk = idx.shape
+    out = torch.empty(s, dtype=torch.float32, device=kv.device)
+    ptr = ctypes.c_void_p
+    stream = ptr(torch.cuda.current_stream(kv.device).cuda_stream)
+    args = (int(tensor), rows, stages, ptr(kv.data_ptr()), ptr(idx.data_ptr()))
+    args += (ptr(out.data_ptr()), s, kv.shape[0], topk, kv.shape[1], stream)
+    code = lib.gather_copy(*args)
+    if code:
+        raise RuntimeError(f"gather_copy({tensor=}, {rows=}, {stages=}) returned {code}")
+    return out
+
+
 def indices(pattern: str, s: int, topk: int, device, gen) -> torch.Tensor:
     if pattern == "causal":
         from dsa_bench.sparse_attention import benchmark_indices
@@ -128,6 +183,18 @@ def main(argv=None) -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     kv = torch.randn(args.tokens, args.dim, device=device, generator=gen).bfloat16()
+
+    def record(pattern, method, block_k, warps, stages, ms) -> dict:
+        row = dict(pattern=pattern, method=method, tokens=args.tokens, topk=args.topk)
+        row |= dict(dim=args.dim, block_k=block_k, warps=warps, stages=stages, ms=round(ms, 3))
+        row["tb_per_s"] = round(valid * args.dim * kv.element_size() / ms / 1e9, 2)
+        print(row, flush=True)
+        return row
+
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    lib = copy_engine_library() if hopper and args.dim % 64 == 0 else "not Hopper or D % 64"
+    if isinstance(lib, str):
+        print(f"skip: the copy-engine gathers ({lib})", flush=True)
     rows = []
     for pattern in ("causal", "contiguous"):
         idx = indices(pattern, args.tokens, args.topk, device, gen)
@@ -144,15 +211,25 @@ def main(argv=None) -> None:
                 continue
             torch.testing.assert_close(got[:64], want, rtol=1e-4, atol=1e-2)
             ms = common.time_ms(run, warmup=2, rep=args.rep, device=device)
-            row = dict(pattern=pattern, tokens=args.tokens, topk=args.topk, dim=args.dim)
-            row |= dict(block_k=block_k, warps=warps, stages=stages, ms=round(ms, 3))
-            row["tb_per_s"] = round(valid * args.dim * kv.element_size() / ms / 1e9, 2)
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(record(pattern, "triton", block_k, warps, stages, ms))
+        if isinstance(lib, str):
+            continue
+        want0 = kv[:, 0].float()[few.clamp(min=0).long()].mul_(few >= 0).sum(dim=1)
+        for tensor, (block, stages) in itertools.product((False, True), COPY_LAUNCHES):
+            run = functools.partial(
+                gather_copy, lib, kv, idx, tensor=tensor, rows=block, stages=stages
+            )
+            torch.testing.assert_close(run()[:64], want0, rtol=1e-4, atol=1e-2)
+            ms = common.time_ms(run, warmup=2, rep=args.rep, device=device)
+            rows.append(record(pattern, "tensor" if tensor else "bulk", block, 1, stages, ms))
     common.print_table(rows, COLUMNS)
-    for pattern in ("causal", "contiguous"):
-        best = min((r for r in rows if r["pattern"] == pattern), key=lambda r: r["ms"])
-        print(f"best {pattern}: {best['ms']} ms, {best['tb_per_s']} TB/s ({best})")
+    for pattern, method in itertools.product(
+        ("causal", "contiguous"), ("triton", "bulk", "tensor")
+    ):
+        timed = [r for r in rows if r["pattern"] == pattern and r["method"] == method]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            print(f"best {pattern} {method}: {best['ms']} ms, {best['tb_per_s']} TB/s ({best})")
     print(f"wrote {common.write_csv(rows, args.out / 'gather_floor.csv', COLUMNS)}")
 
 
