@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kernel_common import next_pow2, shared_memory_per_block
+from kernel_common import shared_memory_per_block
 from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E
 
-from dsa_sparse_attention._triton.probs import _load_k, _load_q, split_width
+from dsa_sparse_attention._triton.probs import _load_k, _load_q, head_block, split_width
 
 
 # Lengths vary from call to call: no specialisation on them, so a new length never recompiles.
@@ -117,11 +117,6 @@ _LAUNCHES = {
 # rows, barriers); tests/dsa_sparse_attention/test_triton_forward.py compiles each launch and
 # checks the estimate.
 _SMEM_SLACK = 1024
-
-
-def head_block(heads_per_group: int) -> int:
-    """Heads per program (the N side of the products; 16 is the tensor-core minimum)."""
-    return min(max(16, next_pow2(heads_per_group)), 64)
 
 
 def num_warps(heads_per_group: int) -> int:

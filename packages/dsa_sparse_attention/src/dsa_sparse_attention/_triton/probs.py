@@ -35,7 +35,8 @@ _SMEM_SLACK = 1024
 
 
 def head_block(heads_per_group: int) -> int:
-    """The rows of one head block (the M side of the product; 16 is the tensor-core minimum)."""
+    """Heads per program, the head side of the products (the M side here, the N side in the
+    forward, which shares this block): 16 is the tensor-core minimum, 64 the most one holds."""
     return min(max(16, next_pow2(heads_per_group)), _MAX_HEAD_BLOCK)
 
 
