@@ -23,7 +23,14 @@ import triton.language as tl
 from kernel_common import shared_memory_per_block
 from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E
 
-from dsa_sparse_attention._triton.probs import _load_k, _load_q, head_block, split_width
+from dsa_sparse_attention._triton.probs import (
+    _key_block,
+    _load_k,
+    _load_q,
+    _row_start,
+    head_block,
+    split_width,
+)
 
 
 # Lengths vary from call to call: no specialisation on them, so a new length never recompiles.
@@ -50,12 +57,9 @@ def _forward_kernel(
     DOT_FP32: tl.constexpr,
     LOG2E_: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * G + g
+    row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HB
-    g = row % G
-    bs = row // G
-    b = bs // S
-    q_row = bs * (G * HG) + g * HG  # first head of the group, in rows of D
+    b, g, q_row = _row_start(row, S, G, HG)
     row_idx = idx_ptr + row * TOPK
     h = h0 + tl.arange(0, HB)
     h_ok = h < HG
@@ -66,10 +70,7 @@ def _forward_kernel(
     denom = tl.zeros([HB], tl.float32)  # the softmax denominator at scale 2^-m
     acc = tl.zeros([D_MAIN, HB], tl.float32)  # O^T
     for j0 in range(0, TOPK, BLOCK_K):
-        offs_j = j0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(row_idx + offs_j, mask=offs_j < TOPK, other=-1)
-        valid = (idx >= 0) & (idx < S_kv)
-        key_rows = (b * S_kv + idx.to(tl.int64)) * G + g
+        _, valid, key_rows = _key_block(row_idx, j0, TOPK, S_kv, b, g, G, BLOCK_K)
         k_main = _load_k(kv_ptr, key_rows, valid, D, 0, D_MAIN, DOT_FP32)
         st = tl.dot(k_main, qt_main)
         if D_TAIL > 0:

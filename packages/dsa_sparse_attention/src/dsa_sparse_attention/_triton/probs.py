@@ -75,6 +75,25 @@ def _load_k(kv_ptr, key_rows, valid, D: tl.constexpr, col0, COLS: tl.constexpr,
 
 
 @triton.jit
+def _row_start(row, S, G: tl.constexpr, HG: tl.constexpr):
+    """``(b, g, q_row)`` of program row ``(b * S + s) * G + g``: its batch, kv group and first
+    query head in rows of D."""
+    g = row % G
+    bs = row // G
+    return bs // S, g, bs * (G * HG) + g * HG
+
+
+@triton.jit
+def _key_block(row_idx, j0, TOPK, S_kv, b, g, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(offs_j, valid, key_rows)`` of index slots j0 .. j0 + BLOCK_K: the slots, whether each
+    is a key (padding: -1, out of range or past TOPK) and its row of kv in rows of D."""
+    offs_j = j0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(row_idx + offs_j, mask=offs_j < TOPK, other=-1)
+    valid = (idx >= 0) & (idx < S_kv)
+    return offs_j, valid, (b * S_kv + idx.to(tl.int64)) * G + g
+
+
+@triton.jit
 def _probs_kernel(
     q_ptr,
     kv_ptr,
@@ -95,11 +114,8 @@ def _probs_kernel(
     DOT_FP32: tl.constexpr,
     LOG2E_: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * G + g
-    g = row % G
-    bs = row // G
-    b = bs // S
-    q_row = bs * (G * HG) + g * HG  # first head of the group, in rows of D
+    row = tl.program_id(0).to(tl.int64)
+    b, g, q_row = _row_start(row, S, G, HG)
     row_idx = idx_ptr + row * TOPK
     row_out = out_ptr + row * TOPK
     for h0 in range(0, HG, HB):
@@ -110,11 +126,8 @@ def _probs_kernel(
         # Padded heads get lse2 = +inf: exp2(s - inf) = 0, so they add nothing.
         lse2 = tl.load(lse_ptr + q_row + h, mask=h < HG, other=float("inf")) * LOG2E_
         for j0 in range(0, TOPK, BLOCK_K):
-            offs_j = j0 + tl.arange(0, BLOCK_K)
+            offs_j, valid, key_rows = _key_block(row_idx, j0, TOPK, S_kv, b, g, G, BLOCK_K)
             j_ok = offs_j < TOPK
-            idx = tl.load(row_idx + offs_j, mask=j_ok, other=-1)
-            valid = (idx >= 0) & (idx < S_kv)
-            key_rows = (b * S_kv + idx.to(tl.int64)) * G + g
             s = tl.dot(q_main, tl.trans(_load_k(kv_ptr, key_rows, valid, D, 0, D_MAIN, DOT_FP32)))
             if D_TAIL > 0:
                 k_tail = _load_k(kv_ptr, key_rows, valid, D, D_MAIN, D_TAIL, DOT_FP32)
