@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from dsa_bench.gather_floor import copy_engine_library, gather_sum, split_width
+from dsa_bench.gather_floor import cuda_library, gather_sum, split_width
 from support import interp_only, not_interpreted, run_interpreted, seeded_gen
 
 
@@ -35,8 +35,11 @@ def test_cpu_interp_gather_sum(dim):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_copy_engine_source_builds():
-    """gather_copy.cu compiles for sm_90a and exports its launcher (no GPU needed)."""
-    lib = copy_engine_library()
+@pytest.mark.parametrize(
+    ("source", "entry"), [("gather_copy.cu", "gather_copy"), ("reduce_add.cu", "reduce_add")]
+)
+def test_cuda_sources_build(source, entry):
+    """The floors' CUDA sources compile for sm_90a and export their launchers (no GPU needed)."""
+    lib = cuda_library(source)
     assert not isinstance(lib, str), lib
-    assert hasattr(lib, "gather_copy")
+    assert hasattr(lib, entry)

@@ -118,17 +118,17 @@ def gather_sum(
     return out
 
 
-def copy_engine_library() -> ctypes.CDLL | str:
-    """``gather_copy.cu`` built for sm_90a with nvcc (once per source, in the temp folder), or
-    why it cannot be."""
+def cuda_library(source_name: str) -> ctypes.CDLL | str:
+    """The CUDA source ``source_name`` of this package (``gather_copy.cu``, ``reduce_add.cu``)
+    built for sm_90a with nvcc (once per source text, in the temp folder), or why it cannot be."""
     nvcc = shutil.which("nvcc")
     if os.environ.get("CUDA_HOME"):
         nvcc = shutil.which(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")) or nvcc
     if nvcc is None:
         return "no nvcc (set CUDA_HOME or PATH)"
-    source = Path(__file__).with_name("gather_copy.cu")
+    source = Path(__file__).with_name(source_name)
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"dsa_bench_gather_copy_{digest}.so"
+    lib = Path(tempfile.gettempdir()) / f"dsa_bench_{source.stem}_{digest}.so"
     if not lib.exists():
         part = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
@@ -192,7 +192,9 @@ def main(argv=None) -> None:
         return row
 
     hopper = torch.cuda.get_device_capability(device) == (9, 0)
-    lib = copy_engine_library() if hopper and args.dim % 64 == 0 else "not Hopper or D % 64"
+    lib = "not Hopper or D % 64"
+    if hopper and args.dim % 64 == 0:
+        lib = cuda_library("gather_copy.cu")
     if isinstance(lib, str):
         print(f"skip: the copy-engine gathers ({lib})", flush=True)
     rows = []
