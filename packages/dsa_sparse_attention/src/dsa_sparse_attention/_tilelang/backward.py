@@ -15,8 +15,9 @@ The key gradient is produced in column slices (``split_store`` slices of the val
 the RoPE tail) so that one slice at a time is held in registers. Each slice is either staged in
 shared memory and handed to the TMA engine as one bulk ``cp.reduce.async.bulk .add.f32`` per
 valid row (``dkv_reduce="tma"``: the adds happen in L2, off the load/store pipe, while the
-threads go on with the next slice's MMAs), or added with vectorised fp32 atomics straight from
-registers (``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
+threads go on with the next slice's MMAs), or added with fp32 atomics straight from registers,
+two neighbouring values (8 bytes) per atomic as the MMA accumulator holds them
+(``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
 written. Query heads are padded to the MMA row block (16, 32 or 64) with zero rows.
 
 Deterministic mode (``deterministic=True``): fp32 reduce-adds land in L2 in whatever order the
@@ -488,8 +489,8 @@ def _build_main(
 
     @T.macro
     def reduce_slice_atomic(e, ib, c):
-        """Add slice `c` to dKV with atomics from registers (valid rows only): vectorised fp32,
-        or one 64-bit fixed-point add per value in deterministic mode."""
+        """Add slice `c` to dKV with atomics from registers (valid rows only): fp32, two values
+        per atomic, or one 64-bit fixed-point add per value in deterministic mode."""
         c0, w = slices[c]
         for r, d in T.Parallel(bs, w):
             if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
