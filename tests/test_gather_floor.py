@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 import torch
-from dsa_bench.gather_floor import cuda_library, gather_sum, split_width
+from dsa_bench.common import cuda_library
+from dsa_bench.gather_floor import gather_sum, split_width
 from support import interp_only, not_interpreted, run_interpreted, seeded_gen
 
 

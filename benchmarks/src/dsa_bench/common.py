@@ -8,14 +8,21 @@
 * Output: :func:`print_table` (aligned columns), :func:`write_csv` / :func:`read_csv`, and PNG
   plots through :func:`pyplot` / :func:`bar_plot` / :func:`save_figure` (matplotlib, an optional
   dependency: the ``plot`` extra, imported only when a plot is drawn).
+* CUDA sources of the floors: :func:`cuda_library` builds one with nvcc for sm_90a.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import hashlib
 import importlib.util
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -312,3 +319,28 @@ def bar_plot(
     ax.set_title(title)
     ax.legend(fontsize=legend_fontsize)
     return save_figure(fig, path, dpi=dpi)
+
+
+# -- CUDA sources -------------------------------------------------------------------------------
+
+
+def cuda_library(source_name: str) -> ctypes.CDLL | str:
+    """The CUDA source ``source_name`` of this package (``gather_copy.cu``, ``reduce_add.cu``)
+    built for sm_90a with nvcc (once per source text, in the temp folder), or why it cannot be."""
+    nvcc = shutil.which("nvcc")
+    if os.environ.get("CUDA_HOME"):
+        nvcc = shutil.which(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")) or nvcc
+    if nvcc is None:
+        return "no nvcc (set CUDA_HOME or PATH)"
+    source = Path(__file__).with_name(source_name)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"dsa_bench_{source.stem}_{digest}.so"
+    if not lib.exists():
+        part = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
+        cmd += ["-gencode=arch=compute_90a,code=sm_90a", str(source), "-o", str(part)]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode:
+            return f"nvcc failed: {built.stderr.strip()[-400:]}"
+        part.replace(lib)
+    return ctypes.CDLL(str(lib))

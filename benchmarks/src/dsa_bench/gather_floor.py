@@ -29,12 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import itertools
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -118,28 +113,6 @@ def gather_sum(
     return out
 
 
-def cuda_library(source_name: str) -> ctypes.CDLL | str:
-    """The CUDA source ``source_name`` of this package (``gather_copy.cu``, ``reduce_add.cu``)
-    built for sm_90a with nvcc (once per source text, in the temp folder), or why it cannot be."""
-    nvcc = shutil.which("nvcc")
-    if os.environ.get("CUDA_HOME"):
-        nvcc = shutil.which(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")) or nvcc
-    if nvcc is None:
-        return "no nvcc (set CUDA_HOME or PATH)"
-    source = Path(__file__).with_name(source_name)
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"dsa_bench_{source.stem}_{digest}.so"
-    if not lib.exists():
-        part = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
-        cmd += ["-gencode=arch=compute_90a,code=sm_90a", str(source), "-o", str(part)]
-        built = subprocess.run(cmd, capture_output=True, text=True)
-        if built.returncode:
-            return f"nvcc failed: {built.stderr.strip()[-400:]}"
-        part.replace(lib)
-    return ctypes.CDLL(str(lib))
-
-
 def gather_copy(
     lib: ctypes.CDLL, kv: torch.Tensor, idx: torch.Tensor, *, tensor: bool, rows: int, stages: int
 ) -> torch.Tensor:
@@ -194,7 +167,7 @@ def main(argv=None) -> None:
     hopper = torch.cuda.get_device_capability(device) == (9, 0)
     lib = "not Hopper or D % 64"
     if hopper and args.dim % 64 == 0:
-        lib = cuda_library("gather_copy.cu")
+        lib = common.cuda_library("gather_copy.cu")
     if isinstance(lib, str):
         print(f"skip: the copy-engine gathers ({lib})", flush=True)
     rows = []

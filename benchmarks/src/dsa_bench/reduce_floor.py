@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from dsa_bench import common
-from dsa_bench.gather_floor import cuda_library, indices
+from dsa_bench.gather_floor import indices
 
 COLUMNS = [
     "pattern", "tokens", "topk", "dim", "variant", "ms", "tb_per_s", "g_ops_per_s"
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) != (9, 0):
         raise SystemExit("dsa_bench.reduce_floor: the kernels are built for sm_90a (Hopper)")
-    lib = cuda_library("reduce_add.cu")
+    lib = common.cuda_library("reduce_add.cu")
     if isinstance(lib, str):
         raise SystemExit(f"dsa_bench.reduce_floor: {lib}")
     gen = torch.Generator(device=device).manual_seed(0)
