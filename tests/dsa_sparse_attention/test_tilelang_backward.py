@@ -70,15 +70,17 @@ def _spec_id(spec: dict) -> str:
 # --------------------------------------------------------------------------------------------
 
 # Every (heads bucket, width) row of the table and 128 heads (two head blocks) on the 64 rows.
-# The fast set covers each backward tiling the rows use (tma at 16-row head blocks with and
-# without the tail, atomic split 4 at 32 rows, atomic at 64 rows with 64-key blocks, two head
-# blocks); the rest is ``slow``.
+# The fast set covers each backward tiling the rows use (atomics on 128-byte row segments at
+# 16-row head blocks with and without the tail, on 64-byte segments at 32 rows with split 4 and
+# at 64 rows with 64-key blocks, two head blocks) and the bulk reduce-adds of a caller's config;
+# the rest is ``slow``.
 FAST_VARIANTS = [
     dict(heads=8, dim=576),
     dict(heads=16, dim=512),
     dict(heads=32, dim=576),
     dict(heads=64, dim=576),
     dict(heads=128, dim=512),
+    dict(heads=8, dim=576, dkv_reduce="tma"),
     # Deterministic: a default row's tiling in that mode (a caller's config), and the table's
     # deterministic rows (bulk u64 reduce-adds in 4 slices).
     dict(heads=64, dim=576, deterministic=True),
@@ -89,12 +91,12 @@ TABLE_VARIANTS = [
     dict(heads=h, dim=d) for h in (8, 16, 32, 64, 128) for d in (512, 576)
 ]  # fmt: skip
 SLOW_VARIANTS = [v for v in TABLE_VARIANTS if v not in FAST_VARIANTS] + [
-    dict(heads=8, dim=576, dkv_reduce="atomic"),
-    dict(heads=64, dim=576, dkv_reduce="atomic", block_i=32),
+    dict(heads=64, dim=576, block_i=32),
+    dict(heads=64, dim=576, block_i=16),
     dict(heads=32, dim=576, dkv_reduce="tma", split_store=2),
     dict(heads=8, dim=576, num_stages=3, split_store=4),
     dict(heads=64, dim=576, num_stages=2, split_store=8, block_i=32),
-    dict(heads=64, dim=512, num_stages=2, split_store=4),
+    dict(heads=64, dim=512, num_stages=2, split_store=4, block_i=32),
     dict(heads=16, dim=576, block_i=64, split_store=4),
     dict(heads=128, dim=576, groups=2),
     dict(heads=96, dim=576),
@@ -142,7 +144,18 @@ def _check_source(kernels, spec):
     elif det:
         assert uses("dsa_red_add_fixed") >= 1 and "AtomicAdd" not in src
     else:
-        assert "AtomicAddx2" in src or "AtomicAddx4" in src
+        # 32- and 64-key blocks: every slice through dsa_red_add_warp_tile (16-byte atomics on
+        # 128-byte row segments below 64-row head blocks, 64-byte ones there); else per-pair
+        # atomics.
+        calls = re.findall(r"dsa_red_add_warp_tile<(\d+), (true|false)>\(", src)
+        if tiling["block_i"] in (32, 64):
+            slices = bw._column_slices(spec["dim"], D_V, tiling["split_store"])
+            assert len(calls) == len(slices) and "AtomicAdd" not in src
+            # 128-byte segments wherever a warp's tile is 32 columns or more (4 chunks).
+            wide = bw.head_block(hg) < 64
+            assert all((flag == "true") == (wide and int(nj) >= 4) for nj, flag in calls)
+        else:
+            assert not calls and "AtomicAddx2" in src
     assert f"__launch_bounds__({bw.program_threads(hg)}" in src
     pre = kernels.preprocess.get_kernel_source()
     assert re.search(r"int batch, int seq_len\)", pre)
@@ -319,11 +332,12 @@ MATRIX = (
     + [(h, 1, 576, k, {}) for h in (8, 64) for k in (1, 64, 640, 2048, 2112)]
     + [(16, 2, 576, 640, {}), (64, 2, 512, 100, {}), (12, 1, 576, 64, {})]
     + [
-        (8, 1, 576, 640, dict(dkv_reduce="atomic")),
-        (64, 1, 576, 640, dict(dkv_reduce="atomic", block_i=32)),
+        (8, 1, 576, 640, dict(dkv_reduce="tma")),
+        (64, 1, 576, 640, dict(block_i=32)),
+        (64, 1, 576, 640, dict(block_i=16)),
         (8, 1, 576, 640, dict(num_stages=3, split_store=4)),
         (16, 1, 576, 640, dict(block_i=64, split_store=4)),
-        (64, 1, 512, 640, dict(num_stages=2, split_store=4)),
+        (64, 1, 512, 640, dict(num_stages=2, split_store=4, block_i=32)),
     ]
 )
 # Deterministic mode at every deterministic table row's tiling (and two head blocks), and at

@@ -31,9 +31,15 @@ from dsa_bench import common
 def main() -> None:
     common.require_cuda("dsa_bench.memcheck")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # The table's tilings: 16 heads bulk reduce-adds; 64 heads atomics with 32-key blocks (D 512)
-    # and 64-key blocks (D 576).
-    cases = ((16, 576, 100, False), (64, 512, 130, True), (64, 576, 150, True))
+    # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 heads
+    # 64-key blocks in 4 slices (128-byte segments), 64 heads 64-key blocks (64-byte segments;
+    # D 512 and 576).
+    cases = (
+        (16, 576, 100, False),
+        (32, 576, 120, False),
+        (64, 512, 130, True),
+        (64, 576, 150, True),
+    )
     for heads, dim, topk, sink in cases:
         b, s, s_kv = 2, 33, 70
         q = torch.randn(b, s, heads, dim, device="cuda", generator=gen).bfloat16()

@@ -96,27 +96,31 @@ class SparseAttentionConfig:
 
 TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="torch")
 
-# Hopper backward: the TileLang kernel. Tiling from dsa_bench.sweep_backward on the H200 (16k
-# tokens, the benchmark's causal indices; benchmarks/results/sparse_backward_sweep.csv): from 32
-# heads up the program is alone on its SM, and fp32 atomics straight from registers beat the
-# staged bulk reduce-adds (60.6 vs 67.1 ms at 64 heads, 48.1 vs 58.8 at 32); at 8 and 16 heads
-# two programs share an SM and the bulk reduce-adds win (32 vs 36 ms). At 64 heads and D = 576,
-# 64-key blocks (M = 64 key-gradient MMAs, half the block iterations; shared memory fits only
-# without the bulk-reduce staging buffer) take the backward from 60.4 to 47.5 ms
-# (results/tuning_topk_and_attn64.log). The 512-wide 64-head row keeps 32-key blocks: 64-key
-# blocks were checked there against the reference but not timed. The TileLang forward keeps its
-# default tiling at every head count.
-_HOPPER_SMALL = SparseAttentionConfig()
-_HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, dkv_reduce="atomic")
-_HOPPER_32 = dataclasses.replace(_HOPPER_64, split_store=4)
-_HOPPER_64_TAIL = dataclasses.replace(_HOPPER_64, backward_block_i=64)
-_MEASURED = "backward measured H200 (sweep and dsa-bench, 16k tokens)"
+# Hopper backward: the TileLang kernel. Tiling first from dsa_bench.sweep_backward on the H200
+# (16k tokens, the benchmark's causal indices; benchmarks/results/sparse_backward_sweep.csv):
+# from 32 heads up the program is alone on its SM and fp32 atomics straight from registers beat
+# the staged bulk reduce-adds (60.6 vs 67.1 ms at 64 heads, 48.1 vs 58.8 at 32), while at 8 and
+# 16 heads (two programs per SM) the bulk reduce-adds won (32 vs 36 ms) over atomics of 8 bytes
+# each. At 64 heads and D = 576, 64-key blocks (M = 64 key-gradient MMAs, half the block
+# iterations; shared memory fits only without the bulk-reduce staging buffer) took the backward
+# from 60.4 to 47.5 ms (results/tuning_topk_and_attn64.log). Since the atomics are 16 bytes each
+# on 64- / 128-byte row segments (2026-12-06, H100, no H200 lent;
+# results/backward_warp_tile_h100.log), atomics win at every head count: 8 heads 34.1 ms (bulk)
+# -> 28.8, 16 heads 34.6 -> 29.2, dsv4.1 8 heads 9.9 -> 8.4; 64-key blocks win at 32 heads
+# (43.9 ms with 32-key blocks -> 36.4, both in 4 slices) and at 64 heads with D = 512 too
+# (dsv4.1: 18.2 -> 13.2). The 512-wide 32-head row follows the 576-wide one (dsv4.1 32 heads
+# was timed with 64-key blocks in 2 slices only: 11.4 ms, against 15.2 before). The TileLang
+# forward keeps its default tiling at every head count.
+_HOPPER_SMALL = SparseAttentionConfig(dkv_reduce="atomic")
+_HOPPER_32 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64, split_store=4)
+_HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64)
+_MEASURED = "backward measured H100 (dsa-bench, 16k tokens)"
 # Deterministic mode: the int64 staging doubles the bytes of each reduce-add, and the sweep in
 # that mode (results/sparse_backward_sweep_deterministic.csv, 16k tokens) picks bulk
 # reduce-adds in 4 slices of 32-key blocks at 8 and 64 heads: 58.8 ms (8 heads; 67.5 with the
 # default row's tiling) and 93.1 ms (64 heads; 119.2 with the default row's atomics). 16 and 32
 # heads follow them.
-_HOPPER_DETERMINISTIC = dataclasses.replace(_HOPPER_SMALL, split_store=4, deterministic=True)
+_HOPPER_DETERMINISTIC = SparseAttentionConfig(split_store=4, deterministic=True)
 _MEASURED_DETERMINISTIC = "deterministic backward measured H200 at 8 and 64 heads, D=576"
 
 # Hopper forward: the measured winner of `dsa-bench --forward-only` with FlashMLA built, both
@@ -169,11 +173,9 @@ def _hopper(
     where its choices come from."""
     if deterministic:
         config, note = _HOPPER_DETERMINISTIC, _MEASURED_DETERMINISTIC
-    elif heads == 64:
-        config, note = (_HOPPER_64_TAIL if tail else _HOPPER_64), _MEASURED
     else:
-        config = _HOPPER_32 if heads == 32 else _HOPPER_SMALL
-        note = _MEASURED if tail else "backward measured H200 at D=576, the 512-wide row follows"
+        config = {64: _HOPPER_64, 32: _HOPPER_32}.get(heads, _HOPPER_SMALL)
+        note = _MEASURED
     forward, forward_note = _FORWARD[tail, topk, heads]
     return dataclasses.replace(config, forward_backend=forward), f"{forward_note}; {note}"
 

@@ -15,10 +15,14 @@ The key gradient is produced in column slices (``split_store`` slices of the val
 the RoPE tail) so that one slice at a time is held in registers. Each slice is either staged in
 shared memory and handed to the TMA engine as one bulk ``cp.reduce.async.bulk .add.f32`` per
 valid row (``dkv_reduce="tma"``: the adds happen in L2, off the load/store pipe, while the
-threads go on with the next slice's MMAs), or added with fp32 atomics straight from registers,
-two neighbouring values (8 bytes) per atomic as the MMA accumulator holds them
-(``dkv_reduce="atomic"``). Padding slots (-1 or out of range) get P = 0 and are never
-written. Query heads are padded to the MMA row block (16, 32 or 64) with zero rows.
+threads go on with the next slice's MMAs), or added with fp32 atomics straight from registers
+(``dkv_reduce="atomic"``). The MMA accumulator holds two neighbouring values of a row per
+thread and four threads on 32 bytes of it; L2 adds such requests at 60% of the rate of 128-byte
+row segments, so for 32- and 64-key blocks the lanes of each warp first trade registers with
+shuffles (``dsa_red_add_warp_tile``) until every lane holds four consecutive values and 4 or 8
+lanes cover 64 or 128 contiguous bytes of one row, then add them with 16-byte atomics. Padding
+slots (-1 or out of range) get P = 0 and are never written. Query heads are padded to the MMA
+row block (16, 32 or 64) with zero rows.
 
 Deterministic mode (``deterministic=True``): fp32 reduce-adds land in L2 in whatever order the
 programs reach them, and fp32 addition is not associative, so dkv differs from run to run in its
@@ -102,6 +106,61 @@ __device__ __forceinline__ void dsa_red_add_fixed(void* gmem, float x, float fix
 }
 __device__ __forceinline__ void dsa_fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+"""
+# Part of the prelude only for the kernels that call it (the others keep their source, and so
+# their cache entries).
+_WARP_TILE_PRELUDE = r"""
+// Lanes `mask` apart trade registers: afterwards lane bit `mask` and register bit `bit` have
+// swapped roles (one shuffle per register pair, the lane keeps the half its bit selects).
+template <int N>
+__device__ __forceinline__ void dsa_swap_lane_register_bit(float* acc, int mask, int bit) {
+  const bool up = threadIdx.x & mask;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    if (r & bit) continue;
+    const float recv = __shfl_xor_sync(0xffffffffu, up ? acc[r] : acc[r | bit], mask);
+    if (up) acc[r] = recv; else acc[r | bit] = recv;
+  }
+}
+// Adds one warp's 16 x 8*NJ fp32 tile of an MMA accumulator to rows idx[0..15] of dst (row
+// stride `stride` floats; rows outside [0, seq_kv) are skipped) with 16-byte atomics. The tile
+// is in the m16n8 / wgmma D-fragment order: lane l, register 4j + 2h + v holds row 8h + l/4,
+// column 8j + 2(l%4) + v, so atomics straight from it carry 32 bytes of a row each, which L2
+// adds at 60% of the rate of 128-byte segments (benchmarks/NOTES.md, the reduce floor).
+// Swapping lane bit 0 with register bit 2 gives each lane 4 consecutive columns, 4 lanes on 64
+// bytes of a row (registers 8m + 2h + {0, 1, 4, 5}: row l/4 + 8h, columns 16m + 8(l&1) +
+// 4((l>>1)&1) + {0..3}). With WIDE, lane bit 4 also swaps with register bit 3: 8 lanes on 128
+// bytes (registers 16m + 8a + 2h + {0, 1, 4, 5}: row (l>>2)&3 + 4a + 8h, columns 32m + 8(l&1) +
+// 4((l>>1)&1) + 16((l>>4)&1) + {0..3}); two more shuffles per register pair and twice the rows
+// per lane (registers), which the 256-thread programs, short of registers, pay for (NOTES.md).
+template <int NJ, bool WIDE>
+__device__ __forceinline__ void dsa_red_add_warp_tile(float* acc, const int* idx, float* dst,
+                                                      long long stride, int seq_kv) {
+  static_assert(NJ % (WIDE ? 4 : 2) == 0, "whole 64- / 128-byte segments per row");
+  constexpr int kRows = WIDE ? 4 : 2;      // rows per lane
+  constexpr int kSeg = WIDE ? 32 : 16;     // columns per segment
+  const int lane = threadIdx.x & 31;
+  dsa_swap_lane_register_bit<4 * NJ>(acc, 1, 4);
+  if constexpr (WIDE) dsa_swap_lane_register_bit<4 * NJ>(acc, 16, 8);
+  const int row = WIDE ? (lane >> 2) & 3 : lane >> 2;
+  const int col = 8 * (lane & 1) + 4 * ((lane >> 1) & 1) + (WIDE ? 16 * ((lane >> 4) & 1) : 0);
+  int key[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) key[k] = idx[row + (16 / kRows) * k];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    if (key[k] < 0 || key[k] >= seq_kv) continue;
+    float* p = dst + key[k] * stride + col;
+    // Row (16 / kRows) k: register bit 1 is h = row bit 3, and with WIDE bit 3 is row bit 2.
+    const int r0 = WIDE ? 8 * (k & 1) + 2 * (k >> 1) : 2 * k;
+#pragma unroll
+    for (int m = 0; m < NJ * 8 / kSeg; ++m) {
+      const int r = r0 + kSeg / 2 * m;
+      atomicAdd(reinterpret_cast<float4*>(p + kSeg * m),
+                make_float4(acc[r], acc[r + 1], acc[r + 4], acc[r + 5]));
+    }
+  }
 }
 """
 
@@ -347,6 +406,30 @@ def _build_main(
     gather_passes = [*range(-(-bs // rows_per_pass))]
     ring = [*range(n_buf)]
     batch, seq, seq_kv = T.dynamic("batch, seq_len, seq_len_kv")
+    # TileLang tiles the key-gradient accumulator [bs, w] of 32- and 64-key blocks as 16-row
+    # warp tiles stacked over the whole block (wgmma for 64 keys, each warpgroup a column range;
+    # mma.sync for 32), warp k at rows 16 (k % warps_m) and columns (k // warps_m) * w / warps_n,
+    # each in the m16n8 register order (read off the generated code; the GPU tests compare dkv
+    # with the reference on every such tiling). 128-byte segments where registers allow (H100,
+    # 16k, results/backward_warp_tile_h100.log): against 64-byte ones they take 8 heads from
+    # 32.6 to 28.8 ms and 32 heads (64-key blocks) from 38.2 to 36.4, while the 64-row head
+    # blocks, whose dq accumulator alone takes 144 registers a thread, are faster with 64-byte
+    # segments (46.3 against 47.3 ms at 64 heads).
+    warps = threads // 32
+    warps_m = bs // 16
+    wide = block_h < 64
+
+    def warp_tile(w):
+        """(8-column chunks per warp, 128-byte segments) of a slice of width `w` for
+        dsa_red_add_warp_tile, or None where the per-pair atomics stay. Warp tiles are 16
+        columns or more (slices are multiples of 64 columns, at most 4 warps share them);
+        128-byte segments need 32."""
+        if use_tma or deterministic or bs not in (32, 64):
+            return None
+        cols = w // (warps // warps_m)
+        return cols // 8, wide and cols % 32 == 0
+
+    prelude = _PRELUDE + (_WARP_TILE_PRELUDE if any(warp_tile(w) for _, w in slices) else "")
 
     # Macros cannot see the kernel's locals: they take its buffers and indices in one namespace
     # `e`. Head rows at or past `e.n_real` are padding of a partial head block.
@@ -489,26 +572,43 @@ def _build_main(
 
     @T.macro
     def reduce_slice_atomic(e, ib, c):
-        """Add slice `c` to dKV with atomics from registers (valid rows only): fp32, two values
-        per atomic, or one 64-bit fixed-point add per value in deterministic mode."""
+        """Add slice `c` to dKV with atomics from registers (valid rows only): fp32, 16 bytes
+        per atomic on 64- or 128-byte row segments (``dsa_red_add_warp_tile``) where the
+        accumulator's warp tiling is known, else two values per atomic as the accumulator holds
+        them; one 64-bit fixed-point add per value in deterministic mode."""
         c0, w = slices[c]
-        for r, d in T.Parallel(bs, w):
-            if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
-                e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
-            ):
-                if deterministic:
-                    T.call_extern(
-                        "handle",
-                        "dsa_red_add_fixed",
-                        T.address_of(e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d]),
-                        e.acc_kv[c][r, d],
-                        e.Fix[c0 + d],
-                    )
-                else:
-                    T.atomic_add(
-                        e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
-                        e.acc_kv[c][r, d],
-                    )
+        tile = warp_tile(w)
+        if tile:
+            warp = e.tx // 32
+            T.call_extern(
+                "handle",
+                f"dsa_red_add_warp_tile<{tile[0]}, {str(tile[1]).lower()}>",
+                e.acc_kv[c].access_ptr("rw"),
+                T.address_of(e.Idx[e.b, e.s, e.g, ib * bs + warp % warps_m * 16]),
+                T.address_of(e.dKV[e.b, 0, e.g, c0 + warp // warps_m * tile[0] * 8]),
+                groups * dim,
+                seq_kv,
+            )
+        else:
+            for r, d in T.Parallel(bs, w):
+                if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
+                    e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
+                ):
+                    if deterministic:
+                        T.call_extern(
+                            "handle",
+                            "dsa_red_add_fixed",
+                            T.address_of(
+                                e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d]
+                            ),
+                            e.acc_kv[c][r, d],
+                            e.Fix[c0 + d],
+                        )
+                    else:
+                        T.atomic_add(
+                            e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
+                            e.acc_kv[c][r, d],
+                        )
 
     @T.macro
     def key_block(e, ib, buf):
@@ -572,7 +672,7 @@ def _build_main(
         Fix: T.Tensor((fix_len,), T.float32),
         sm_scale: T.float32,
     ):
-        with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=_PRELUDE) as (
+        with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=prelude) as (
             s_i,
             b_i,
             gz,
