@@ -108,13 +108,15 @@ TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="
 # results/backward_warp_tile_h100.log), atomics win at every head count: 8 heads 34.1 ms (bulk)
 # -> 28.8, 16 heads 34.6 -> 29.2, dsv4.1 8 heads 9.9 -> 8.4; 64-key blocks win at 32 heads
 # (43.9 ms with 32-key blocks -> 36.4, both in 4 slices) and at 64 heads with D = 512 too
-# (dsv4.1: 18.2 -> 13.2). The 512-wide 32-head row follows the 576-wide one (dsv4.1 32 heads
-# was timed with 64-key blocks in 2 slices only: 11.4 ms, against 15.2 before). The TileLang
+# (dsv4.1: 18.2 -> 13.2). The 512-wide 16- and 32-head rows follow the 576-wide ones (dsv4.1 32
+# heads was timed with 64-key blocks in 2 slices only: 11.4 ms, against 15.2 before). The TileLang
 # forward keeps its default tiling at every head count.
 _HOPPER_SMALL = SparseAttentionConfig(dkv_reduce="atomic")
 _HOPPER_32 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64, split_store=4)
 _HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64)
-_MEASURED = "backward measured H100 (dsa-bench, 16k tokens)"
+_MEASURED = "backward measured H100 (16k tokens)"
+# The rows whose tiling was compared only at D = 576.
+_FOLLOWS_576 = "backward measured H100 at D=576, the 512-wide row follows"
 # Deterministic mode: the int64 staging doubles the bytes of each reduce-add, and the sweep in
 # that mode (results/sparse_backward_sweep_deterministic.csv, 16k tokens) picks bulk
 # reduce-adds in 4 slices of 32-key blocks at 8 and 64 heads: 58.8 ms (8 heads; 67.5 with the
@@ -175,7 +177,7 @@ def _hopper(
         config, note = _HOPPER_DETERMINISTIC, _MEASURED_DETERMINISTIC
     else:
         config = {64: _HOPPER_64, 32: _HOPPER_32}.get(heads, _HOPPER_SMALL)
-        note = _MEASURED
+        note = _MEASURED if tail or heads in (8, 64) else _FOLLOWS_576
     forward, forward_note = _FORWARD[tail, topk, heads]
     return dataclasses.replace(config, forward_backend=forward), f"{forward_note}; {note}"
 

@@ -429,7 +429,8 @@ def _build_main(
         cols = w // (warps // warps_m)
         return cols // 8, wide and cols % 32 == 0
 
-    prelude = _PRELUDE + (_WARP_TILE_PRELUDE if any(warp_tile(w) for _, w in slices) else "")
+    tiles = [warp_tile(w) for _, w in slices]  # per slice
+    prelude = _PRELUDE + (_WARP_TILE_PRELUDE if any(t is not None for t in tiles) else "")
 
     # Macros cannot see the kernel's locals: they take its buffers and indices in one namespace
     # `e`. Head rows at or past `e.n_real` are padding of a partial head block.
@@ -577,8 +578,8 @@ def _build_main(
         accumulator's warp tiling is known, else two values per atomic as the accumulator holds
         them; one 64-bit fixed-point add per value in deterministic mode."""
         c0, w = slices[c]
-        tile = warp_tile(w)
-        if tile:
+        tile = tiles[c]
+        if tile is not None:  # a Python bool: TileLang picks the branch while tracing
             warp = e.tx // 32
             T.call_extern(
                 "handle",
