@@ -158,20 +158,24 @@ def forward_supports(dim: int, d_v: int) -> bool:
     return split is not None and split[0] == d_v
 
 
-def check_forward_config(dim: int, d_v: int, heads_per_group: int, smem_limit: int) -> None:
-    """Raise ValueError, naming the argument, unless the kernel runs this width and head count
-    on a device with ``smem_limit`` bytes of shared memory per block (cheap; before anything is
-    compiled)."""
+def check_forward_config(
+    dim: int, d_v: int, heads_per_group: int, smem_limit: int
+) -> tuple[int, int]:
+    """The ``(BLOCK_K, num_stages)`` launch of :func:`launch_config`; raise ValueError, naming
+    the argument, unless the kernel runs this width and head count on a device with
+    ``smem_limit`` bytes of shared memory per block (cheap; before anything is compiled)."""
     if not forward_supports(dim, d_v):
         raise ValueError(
             f"forward_backend='triton' needs q.shape[-1] = {dim} to be d_v = {d_v} (a power of "
             "two >= 16) plus 0 or a smaller power of two >= 16; use the 'tilelang' forward"
         )
-    if launch_config(dim, heads_per_group, smem_limit) is None:
+    launch = launch_config(dim, heads_per_group, smem_limit)
+    if launch is None:
         raise ValueError(
             f"forward_backend='triton': q.shape[-1] = {dim} at {heads_per_group} heads per kv "
             f"group has no launch within {smem_limit} bytes of shared memory per block"
         )
+    return launch
 
 
 def sparse_attention_forward_triton(
@@ -206,8 +210,7 @@ def sparse_attention_forward_triton(
     hg = h // g
     interpreted = q.device.type == "cpu"
     smem = HOPPER_SMEM_PER_BLOCK if interpreted else shared_memory_per_block(q.device)
-    check_forward_config(d, d_v, hg, smem)
-    block_k, stages = launch_config(d, hg, smem)
+    block_k, stages = check_forward_config(d, d_v, hg, smem)
     d_main, d_tail = split_width(d)
     out = torch.empty(b, s, h, d_v, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
