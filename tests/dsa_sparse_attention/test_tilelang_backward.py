@@ -93,6 +93,7 @@ TABLE_VARIANTS = [
 SLOW_VARIANTS = [v for v in TABLE_VARIANTS if v not in FAST_VARIANTS] + [
     dict(heads=64, dim=576, block_i=32),
     dict(heads=64, dim=576, block_i=16),
+    dict(heads=64, dim=576, split_store=2),
     dict(heads=32, dim=576, dkv_reduce="tma", split_store=2),
     dict(heads=8, dim=576, num_stages=3, split_store=4),
     dict(heads=64, dim=576, num_stages=2, split_store=8, block_i=32),
@@ -145,15 +146,17 @@ def _check_source(kernels, spec):
         assert uses("dsa_red_add_fixed") >= 1 and "AtomicAdd" not in src
     else:
         # 32- and 64-key blocks: every slice through dsa_red_add_warp_tile (16-byte atomics on
-        # 128-byte row segments below 64-row head blocks, 64-byte ones there); else per-pair
-        # atomics.
+        # 128- or 64-byte row segments, in slice order); else per-pair atomics.
         calls = re.findall(r"dsa_red_add_warp_tile<(\d+), (true|false)>\(", src)
         if tiling["block_i"] in (32, 64):
             slices = bw._column_slices(spec["dim"], D_V, tiling["split_store"])
             assert len(calls) == len(slices) and "AtomicAdd" not in src
-            # 128-byte segments wherever a warp's tile is 32 columns or more (4 chunks).
-            wide = bw.head_block(hg) < 64
-            assert all((flag == "true") == (wide and int(nj) >= 4) for nj, flag in calls)
+            # 128-byte segments wherever a warp's tile is 32 columns or more (4 chunks), except
+            # for slices of more than 32 accumulator registers a thread at 64-row head blocks.
+            for (_, w), (nj, flag) in zip(slices, calls, strict=True):
+                regs = tiling["block_i"] * w // bw.program_threads(hg)
+                wide = bw.head_block(hg) < 64 or regs <= 32
+                assert (flag == "true") == (wide and int(nj) >= 4), (w, nj, flag)
         else:
             assert not calls and "AtomicAddx2" in src
     assert f"__launch_bounds__({bw.program_threads(hg)}" in src
@@ -335,6 +338,7 @@ MATRIX = (
         (8, 1, 576, 640, dict(dkv_reduce="tma")),
         (64, 1, 576, 640, dict(block_i=32)),
         (64, 1, 576, 640, dict(block_i=16)),
+        (64, 1, 576, 640, dict(split_store=2)),  # 64-byte segments
         (8, 1, 576, 640, dict(num_stages=3, split_store=4)),
         (16, 1, 576, 640, dict(block_i=64, split_store=4)),
         (64, 1, 512, 640, dict(num_stages=2, split_store=4, block_i=32)),

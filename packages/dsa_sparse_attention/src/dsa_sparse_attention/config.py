@@ -109,11 +109,14 @@ TORCH_CONFIG = SparseAttentionConfig(forward_backend="torch", backward_backend="
 # -> 28.8, 16 heads 34.6 -> 29.2, dsv4.1 8 heads 9.9 -> 8.4; 64-key blocks win at 32 heads
 # (43.9 ms with 32-key blocks -> 36.4, both in 4 slices) and at 64 heads with D = 512 too
 # (dsv4.1: 18.2 -> 13.2). The 512-wide 16- and 32-head rows follow the 576-wide ones (dsv4.1 32
-# heads was timed with 64-key blocks in 2 slices only: 11.4 ms, against 15.2 before). The TileLang
-# forward keeps its default tiling at every head count.
+# heads was timed with 64-key blocks in 2 slices only: 11.4 ms, against 15.2 before). At 64 heads
+# 4 slices, whose accumulator is small enough for 128-byte segments, beat 2 slices of 64-byte
+# ones (2026-12-07, H100, results/backward_pipelined_slices_h100.log: glm5 46.2 -> 44.9 ms;
+# dsv4.1 15.9 -> 14.9, timed with the key-gradient MMAs of the next slice issued before the
+# atomics, a variant not kept). The TileLang forward keeps its default tiling at every head count.
 _HOPPER_SMALL = SparseAttentionConfig(dkv_reduce="atomic")
-_HOPPER_32 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64, split_store=4)
-_HOPPER_64 = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64)
+# 32 and 64 heads: 64-key blocks in 4 slices.
+_HOPPER_LARGE = dataclasses.replace(_HOPPER_SMALL, backward_block_i=64, split_store=4)
 _MEASURED = "backward measured H100 (16k tokens)"
 # The rows whose tiling was compared only at D = 576.
 _FOLLOWS_576 = "backward measured H100 at D=576, the 512-wide row follows"
@@ -176,7 +179,7 @@ def _hopper(
     if deterministic:
         config, note = _HOPPER_DETERMINISTIC, _MEASURED_DETERMINISTIC
     else:
-        config = {64: _HOPPER_64, 32: _HOPPER_32}.get(heads, _HOPPER_SMALL)
+        config = _HOPPER_LARGE if heads in (32, 64) else _HOPPER_SMALL
         note = _MEASURED if tail or heads in (8, 64) else _FOLLOWS_576
     forward, forward_note = _FORWARD[tail, topk, heads]
     return dataclasses.replace(config, forward_backend=forward), f"{forward_note}; {note}"

@@ -412,12 +412,17 @@ def _build_main(
     # each in the m16n8 register order (read off the generated code; the GPU tests compare dkv
     # with the reference on every such tiling). 128-byte segments where registers allow (H100,
     # 16k, results/backward_warp_tile_h100.log): against 64-byte ones they take 8 heads from
-    # 32.6 to 28.8 ms and 32 heads (64-key blocks) from 38.2 to 36.4, while the 64-row head
-    # blocks, whose dq accumulator alone takes 144 registers a thread, are faster with 64-byte
-    # segments (46.3 against 47.3 ms at 64 heads).
+    # 32.6 to 28.8 ms and 32 heads (64-key blocks) from 38.2 to 36.4. The 64-row head blocks'
+    # dq accumulator alone takes 144 registers a thread: there the second exchange costs more
+    # than it saves on slices of 64 accumulator registers a thread (46.3 against 47.3 ms at 64
+    # heads, 2 slices) and wins on slices of 32 (44.9 against 46.4, 4 slices;
+    # results/backward_pipelined_slices_h100.log).
     warps = threads // 32
     warps_m = bs // 16
-    wide = block_h < 64
+
+    def wide(w):
+        """Whether a slice of width `w` is added in 128-byte segments (else 64-byte)."""
+        return block_h < 64 or bs * w // threads <= 32
 
     def warp_tile(w):
         """(8-column chunks per warp, 128-byte segments) of a slice of width `w` for
@@ -427,7 +432,7 @@ def _build_main(
         if use_tma or deterministic or bs not in (32, 64):
             return None
         cols = w // (warps // warps_m)
-        return cols // 8, wide and cols % 32 == 0
+        return cols // 8, wide(w) and cols % 32 == 0
 
     tiles = [warp_tile(w) for _, w in slices]  # per slice
     prelude = _PRELUDE + (_WARP_TILE_PRELUDE if any(t is not None for t in tiles) else "")
