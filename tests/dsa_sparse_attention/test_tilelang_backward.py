@@ -71,9 +71,9 @@ def _spec_id(spec: dict) -> str:
 
 # Every (heads bucket, width) row of the table and 128 heads (two head blocks) on the 64 rows.
 # The fast set covers each backward tiling the rows use (atomics on 128-byte row segments at
-# 16-row head blocks with and without the tail and at 32 rows with 64-key blocks in 4 slices, on
-# 64-byte segments at 64 rows with 64-key blocks, two head blocks) and the bulk reduce-adds of a
-# caller's config; the rest is ``slow``.
+# 16-row head blocks with and without the tail, and at 32 and 64 rows with 64-key blocks in 4
+# slices, two head blocks) and the bulk reduce-adds of a caller's config; the rest is ``slow``
+# (among it the 64-byte segments of 64 rows in 2 slices).
 FAST_VARIANTS = [
     dict(heads=8, dim=576),
     dict(heads=16, dim=512),
