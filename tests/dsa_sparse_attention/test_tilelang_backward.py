@@ -180,6 +180,35 @@ def test_compiles_for_sm90a(spec):
     assert again.main is kernels.main and again.preprocess is kernels.preprocess
 
 
+def test_long_index_pitch_kernel_for_sm90a():
+    """Where long inputs read index rows of another pitch, compile_backward builds that kernel
+    too (so no length compiles anything later), and it differs from the plain one only in the
+    row pitch of its index loads."""
+    kernels = _compile(dict(heads=64, dim=576), 2048)
+    assert (kernels.topk_padded, kernels.long_pitch) == (2048, 2112)
+    plain, long = (k.get_kernel_source() for k in (kernels.main, kernels.main_long))
+    assert plain.count("(int64_t)2048)") > 0 and "(int64_t)2112)" not in plain
+    assert long.replace("(int64_t)2112)", "(int64_t)2048)") == plain
+    assert kernels.main_for(32767) == (kernels.main, 2048)
+    assert kernels.main_for(32768) == (kernels.main_long, 2112)
+
+
+@pytest.mark.parametrize(
+    "topk_padded, block_h, deterministic, pitch",
+    [
+        (2048, 64, False, 2112),  # 8 KB rows -> an odd multiple of 256 bytes
+        (1024, 64, False, 1088),
+        (2112, 64, False, None),  # already odd
+        (2048, 64, True, None),  # deterministic mode: one kernel
+        (2048, 32, False, None),  # smaller head blocks: one kernel
+        (2048, 16, False, None),
+        (2080, 64, False, None),  # not a multiple of 64 slots (32-key blocks)
+    ],
+)
+def test_long_index_pitch_rule(topk_padded, block_h, deterministic, pitch):
+    assert bw._long_index_pitch(topk_padded, block_h, deterministic) == pitch
+
+
 @pytest.mark.parametrize("dim", [512, 576])
 def test_table_tilings_fit_every_head_count_of_their_bucket(dim):
     """Each Hopper row's tiling passes the checks (shared memory included) for every head count
@@ -478,8 +507,9 @@ def test_backward_block_counts(compiled, case):
 
 
 @pytest.mark.gpu
-def test_no_recompile_for_new_lengths(compiled, monkeypatch):
-    heads, dim, topk = 16, 576, 640
+@pytest.mark.parametrize("heads", [16, 64])
+def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
+    dim, topk = 576, 640
     tiling = _row_tiling(heads, dim)
     bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)  # the one compile
 
@@ -487,11 +517,33 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch):
         raise AssertionError("a new length must not compile a new kernel")
 
     monkeypatch.setattr(bw.tilelang, "compile", no_compile)
+    # The lengths below cross the long-input threshold too (both kernels exist by then).
+    monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 100)
     for seed, (b, s, s_kv) in enumerate([(1, 37, 80), (2, 64, 128), (3, 129, 301)]):
         q, kv, dout, idx, sink, dlse = _case(
             b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed
         )
         _run_and_compare(q, kv, dout, idx, sink, dlse)
+
+
+@pytest.mark.gpu
+def test_backward_long_index_pitch(compiled, monkeypatch):
+    """The long-input kernel (forced here at a short length) reads the same indices in wider
+    rows: results match the reference, and dq is the same bits as the plain kernel's (each dq
+    row is summed by one program in a fixed order)."""
+    heads, dim, topk = 64, 576, 200
+    q, kv, dout, idx, sink, dlse = _case(
+        2, 96, 192, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=11
+    )
+    args = _kernel_args(q, kv, dout, idx, sink, dlse)
+    tiling = _row_tiling(heads, dim)
+    plain = bw.sparse_attention_backward_tilelang(*args, **tiling)
+    monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 1)
+    kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
+    assert kernels.main_for(2 * 96) == (kernels.main_long, 320)
+    long = bw.sparse_attention_backward_tilelang(*args, **tiling)
+    assert torch.equal(long[0], plain[0]), "dq differs between the two kernels"
+    _run_and_compare(q, kv, dout, idx, sink, dlse)
 
 
 def _kernel_args(q, kv, dout, idx, sink, dlse):

@@ -55,7 +55,9 @@ Batch, query length and key length are dynamic symbols of every kernel, so new l
 the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
 ``functools.lru_cache`` behind :func:`compile_backward`. The tiling has no default here: it
 comes from the caller's ``SparseAttentionConfig``, and :func:`check_backward_config` rejects
-what these kernels cannot run before anything is compiled.
+what these kernels cannot run before anything is compiled. Where long inputs run faster with
+index rows of another pitch (:func:`_long_index_pitch`), both kernels are compiled together, so
+a length that crosses from one to the other compiles nothing either.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the
@@ -366,6 +368,7 @@ def _build_main(
     dim: int,
     d_v: int,
     topk_padded: int,
+    index_pitch: int,
     block_i: int,
     num_stages: int,
     split_store: int,
@@ -373,10 +376,12 @@ def _build_main(
     deterministic: bool,
 ):
     """The dq / dkv kernel (see the module docstring) for a configuration that passed
-    :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``.
+    :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``, the index slots
+    walked per row, and ``index_pitch >= topk_padded`` the row pitch of the index copies (the
+    slots past ``topk_padded`` are never read).
 
     Arguments: ``Q`` bf16 ``[B, S, H, D]``, ``KV`` bf16 ``[B, S_kv, G, D]``, ``Out`` / ``dO``
-    bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, topk_padded]`` (the padded
+    bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, index_pitch]`` (the padded
     indices and the same clamped into ``[0, S_kv)``), ``Lse2`` / ``Dot`` / ``Delta`` fp32
     ``[B, S, H]`` (log2 lse, ``rowsum(out * dout)``, the delta used for dS), outputs ``dQ`` bf16
     ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
@@ -667,8 +672,8 @@ def _build_main(
         KV: T.Tensor((batch, seq_kv, groups, dim), T.bfloat16),
         Out: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
         dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
-        Idx: T.Tensor((batch, seq, groups, topk_padded), T.int32),
-        IdxC: T.Tensor((batch, seq, groups, topk_padded), T.int32),
+        Idx: T.Tensor((batch, seq, groups, index_pitch), T.int32),
+        IdxC: T.Tensor((batch, seq, groups, index_pitch), T.int32),
         Lse2: T.Tensor((batch, seq, heads), T.float32),
         Dot: T.Tensor((batch, seq, heads), T.float32),
         Delta: T.Tensor((batch, seq, heads), T.float32),
@@ -763,9 +768,20 @@ class BackwardKernels:
 
     preprocess: tilelang.JITKernel  # (out, dout, rowsum(out * dout))
     # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_acc, delta_fix, fix,
-    #  scale)
+    #  scale), index rows of `topk_padded` slots
     main: tilelang.JITKernel
     topk_padded: int
+    # The same kernel reading index rows of `long_pitch` slots, for long inputs (both None
+    # where one pitch serves every length, see `_long_index_pitch`).
+    main_long: tilelang.JITKernel | None
+    long_pitch: int | None
+
+    def main_for(self, rows: int) -> tuple[tilelang.JITKernel, int]:
+        """The main kernel for an input of ``rows`` query rows (batch x length) and the row
+        pitch, in index slots, of the index copies it reads."""
+        if self.main_long is not None and rows >= _LONG_INDEX_ROWS:
+            return self.main_long, self.long_pitch
+        return self.main, self.topk_padded
 
 
 @functools.lru_cache(maxsize=None)
@@ -821,29 +837,63 @@ def compile_backward(
 
     Raises ValueError (see :func:`check_backward_config`) before compiling anything the kernels
     cannot run. Threads per program follow the head count (:func:`program_threads`). Batch,
-    query and key lengths are not parameters: the kernels take them at run time.
+    query and key lengths are not parameters: the kernels take them at run time. Where
+    :func:`_long_index_pitch` gives long inputs another index pitch, the kernel for that pitch
+    is compiled here too (``main_long``), so that no length compiles anything later.
     """
     check_backward_config(
         heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce, deterministic
     )
     topk_padded = round_up(topk, block_i)
-    return BackwardKernels(
-        preprocess=_compile_preprocess(heads, d_v, target),
-        main=_compile_main(
+    long_pitch = _long_index_pitch(topk_padded, head_block(heads // groups), deterministic)
+
+    def main_kernel(pitch: int) -> tilelang.JITKernel:
+        return _compile_main(
             heads,
             groups,
             dim,
             d_v,
             topk_padded,
+            pitch,
             block_i,
             num_stages,
             split_store,
             dkv_reduce,
             deterministic,
             target=target,
-        ),
+        )
+
+    return BackwardKernels(
+        preprocess=_compile_preprocess(heads, d_v, target),
+        main=main_kernel(topk_padded),
         topk_padded=topk_padded,
+        main_long=None if long_pitch is None else main_kernel(long_pitch),
+        long_pitch=long_pitch,
     )
+
+
+# Query rows (batch x length) from which `_long_index_pitch` applies: the odd pitch cost 3-4%
+# at 16k rows and gained from 32k on (benchmarks/NOTES.md, "The index rows' pitch").
+_LONG_INDEX_ROWS = 32768
+
+
+def _long_index_pitch(topk_padded: int, block_h: int, deterministic: bool) -> int | None:
+    """The index rows' pitch (int32 slots) for inputs of ``_LONG_INDEX_ROWS`` query rows or
+    more, or None to keep ``topk_padded`` at every length.
+
+    Measured on H100s, glm5 64 heads (`results/backward_index_pitch_*_h100.log`): from 32k
+    rows the copies the kernel reads (256 MB each at 32k rows of 2048) stream from DRAM while the
+    ~132 programs of adjacent queries read the same block of their rows at about the same time,
+    one pitch apart. With rows of 2048 slots (8 KB) the 64k backward never ran under 245 ms in
+    56 calls; with 2112 (8448 bytes, an odd multiple of 256) it fell into a ~190 ms state in 18
+    of 28 calls, and 128k took 516-520 ms against 606-610. At 16k the odd pitch was 3-4% slower
+    (hence the threshold). At 8 heads it gained nothing and in deterministic mode it lost 3-4%,
+    so only 64-row head blocks (more than 32 heads per group, where it was measured) in the
+    default mode get the second kernel, and only for rows of an even multiple of 64 slots,
+    which move to the next odd multiple."""
+    if deterministic or block_h < 64 or topk_padded % 64 or topk_padded // 64 % 2:
+        return None
+    return topk_padded + 64
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -958,7 +1008,8 @@ def sparse_attention_backward_tilelang(
             deterministic=deterministic,
             target=tilelang_target(device_arch(q.device))["arch"],
         )
-        pad = kernels.topk_padded - indices.shape[-1]
+        main_kernel, pitch = kernels.main_for(b * s)
+        pad = pitch - indices.shape[-1]
         idx = _aligned(F.pad(indices, (0, pad), value=-1) if pad else indices)
         # Padding of any kind gathers row 0 (always in range); the kernel masks it from `idx`.
         idx_c = torch.where((idx >= 0) & (idx < s_kv), idx, 0)
@@ -979,7 +1030,7 @@ def sparse_attention_backward_tilelang(
         )
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
-        kernels.main(
+        main_kernel(
             _aligned(q),
             _aligned(kv),
             out,
