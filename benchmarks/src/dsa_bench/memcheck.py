@@ -7,7 +7,8 @@ backward, the table's row for its shape, then its deterministic row) and
 ``sparse_attention_probs`` on the same indices (the TileLang kernel on Hopper), the Triton
 probs kernel and the Triton forward; ``sparse_attention_probs`` on those indices at 40, 64 and
 70 heads (the TileLang kernel's head blocks of 64: a partial one, one full, a full and a
-partial);
+partial); the backward's long-input kernel (index rows 64 slots wider, run from 32k query rows)
+forced at a short length;
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
 logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
 ``indexer_kl_loss``
@@ -17,65 +18,75 @@ logits -> top-k kernel; a CP shard whose logits launches split the keys into chu
 """
 
 import dataclasses
+from unittest import mock
 
 import torch
 from dsa_indexer import causal_ranges, indexer_kl_loss, lightning_indexer, resolve_config
 from dsa_indexer._triton.logits_topk import list_slots
 from dsa_sparse_attention import sparse_attention, sparse_attention_probs
+from dsa_sparse_attention._tilelang import backward as tilelang_backward
 from dsa_sparse_attention._triton import sparse_attention_probs_triton
 from dsa_sparse_attention._triton.forward import sparse_attention_forward_triton
 
 from dsa_bench import common
 
+B, S, S_KV = 2, 33, 70
+
+
+def attention_case(heads: int, dim: int, topk: int, sink: bool, gen) -> torch.Tensor:
+    """``sparse_attention`` forward and backward in both modes, then the probs and Triton
+    kernels, on [B, S] queries with every padding kind; returns the indices."""
+    b, s, s_kv = B, S, S_KV
+    q = torch.randn(b, s, heads, dim, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(b, s_kv, 1, dim, device="cuda", generator=gen).bfloat16()
+    idx = torch.randint(0, s_kv, (b, s, 1, topk), device="cuda", generator=gen).int()
+    idx[:, :, :, topk // 2 :] = -1  # tails
+    idx[:, 3] = -1  # whole rows
+    idx[:, 4, :, :7] = s_kv + 5  # past the end
+    idx[:, 5, :, :7] = -9  # below -1
+    idx[:, 6, :, :7] = torch.iinfo(torch.int32).max
+    idx[:, 7, :, :9] = 2  # duplicates
+    attn_sink = torch.randn(heads, device="cuda", generator=gen) if sink else None
+    leaves = [q.requires_grad_(), kv.requires_grad_()]
+    if attn_sink is not None:
+        leaves.append(attn_sink.requires_grad_())
+    for deterministic in (False, True):
+        out, lse = sparse_attention(
+            q, kv, idx, attn_sink=attn_sink, return_lse=True, deterministic=deterministic
+        )
+        loss = (out.float().square().sum(), torch.where(torch.isfinite(lse), lse, 0).sum())
+        grads = torch.autograd.grad(loss, leaves)
+        torch.cuda.synchronize()
+        finite = all(bool(torch.isfinite(g.float()).all()) for g in grads)
+        print(
+            f"heads={heads} dim={dim} topk={topk} sink={sink} "
+            f"deterministic={deterministic}: grads finite={finite}"
+        )
+    args = (q.detach(), kv.detach(), idx, lse.detach())
+    target = sparse_attention_probs(*args)
+    triton = sparse_attention_probs_triton(*args, dim**-0.5)
+    sink = attn_sink.detach() if sink else None
+    forward, _ = sparse_attention_forward_triton(*args[:3], sink, dim**-0.5, 512)
+    torch.cuda.synchronize()
+    print(f"  target finite={bool(torch.isfinite(target).all())}, "
+          f"triton finite={bool(torch.isfinite(triton).all())}, "
+          f"triton forward finite={bool(torch.isfinite(forward).all())}")  # fmt: skip
+    return idx
+
 
 def main() -> None:
     common.require_cuda("dsa_bench.memcheck")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 heads
-    # 64-key blocks in 4 slices (128-byte segments), 64 heads 64-key blocks (64-byte segments;
-    # D 512 and 576).
-    cases = (
+    b, s, s_kv = B, S, S_KV
+    # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 / 64 heads
+    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576).
+    for heads, dim, topk, sink in (
         (16, 576, 100, False),
         (32, 576, 120, False),
         (64, 512, 130, True),
         (64, 576, 150, True),
-    )
-    for heads, dim, topk, sink in cases:
-        b, s, s_kv = 2, 33, 70
-        q = torch.randn(b, s, heads, dim, device="cuda", generator=gen).bfloat16()
-        kv = torch.randn(b, s_kv, 1, dim, device="cuda", generator=gen).bfloat16()
-        idx = torch.randint(0, s_kv, (b, s, 1, topk), device="cuda", generator=gen).int()
-        idx[:, :, :, topk // 2 :] = -1  # tails
-        idx[:, 3] = -1  # whole rows
-        idx[:, 4, :, :7] = s_kv + 5  # past the end
-        idx[:, 5, :, :7] = -9  # below -1
-        idx[:, 6, :, :7] = torch.iinfo(torch.int32).max
-        idx[:, 7, :, :9] = 2  # duplicates
-        attn_sink = torch.randn(heads, device="cuda", generator=gen) if sink else None
-        leaves = [q.requires_grad_(), kv.requires_grad_()]
-        if attn_sink is not None:
-            leaves.append(attn_sink.requires_grad_())
-        for deterministic in (False, True):
-            out, lse = sparse_attention(
-                q, kv, idx, attn_sink=attn_sink, return_lse=True, deterministic=deterministic
-            )
-            loss = (out.float().square().sum(), torch.where(torch.isfinite(lse), lse, 0).sum())
-            grads = torch.autograd.grad(loss, leaves)
-            torch.cuda.synchronize()
-            finite = all(bool(torch.isfinite(g.float()).all()) for g in grads)
-            print(
-                f"heads={heads} dim={dim} topk={topk} sink={sink} "
-                f"deterministic={deterministic}: grads finite={finite}"
-            )
-        args = (q.detach(), kv.detach(), idx, lse.detach())
-        target = sparse_attention_probs(*args)
-        triton = sparse_attention_probs_triton(*args, dim**-0.5)
-        sink = attn_sink.detach() if sink else None
-        forward, _ = sparse_attention_forward_triton(*args[:3], sink, dim**-0.5, 512)
-        torch.cuda.synchronize()
-        print(f"  target finite={bool(torch.isfinite(target).all())}, "
-              f"triton finite={bool(torch.isfinite(triton).all())}, "
-              f"triton forward finite={bool(torch.isfinite(forward).all())}")  # fmt: skip
+    ):
+        idx = attention_case(heads, dim, topk, sink, gen)
     for heads in (40, 64, 70):
         q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
         kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
@@ -84,6 +95,11 @@ def main() -> None:
         target = sparse_attention_probs(q, kv, idx, lse)
         torch.cuda.synchronize()
         print(f"probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
+    # The backward's long-input kernel: 250 slots pad to 4 blocks of 64 keys, read in rows of
+    # 320 slots once the threshold (lowered to these 66 query rows) is reached.
+    with mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S):
+        print("long-input backward kernel:")
+        attention_case(64, 576, 250, True, gen)
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
     # then the KL loss; with the two passes and with the fused logits -> top-k kernel (lists of
     # 128 entries, compacted once a range passes 64 keys).
