@@ -114,14 +114,26 @@ SLOW_VARIANTS = [v for v in TABLE_VARIANTS if v not in FAST_VARIANTS] + [
 ]
 
 
+# The synchronised walk's counter: one atomic read when a program starts, one add per block.
+_PROGRESS_ATOMICS = ("AtomicAddRet((&(Progress[0])), 0)", "AtomicAdd((&(Progress[0])), 1)")
+
+
 def _check_source(kernels, spec):
-    src = kernels.main.get_kernel_source()
+    src = kernels.main.kernel.get_kernel_source()
     hg = spec["heads"] // spec.get("groups", 1)
     tiling = _row_tiling(spec["heads"], spec["dim"]) | {
         k: v for k, v in spec.items() if k not in ("heads", "dim", "groups")
     }
-    # Lengths are runtime arguments: nothing length-specific is baked into the kernel.
-    assert re.search(r"int batch, int seq_len, int seq_len_kv", src), "lengths must be dynamic"
+    # Default mode below 64-row head blocks walks synced (the counter's atomics, nothing else).
+    synced = not tiling["deterministic"] and bw.head_block(hg) < 64
+    assert kernels.main.synced == synced
+    assert all((src.count(a) == 1) == synced for a in _PROGRESS_ATOMICS)
+    for atomic in _PROGRESS_ATOMICS:
+        src = src.replace(atomic, "")
+    # Lengths are runtime arguments: nothing length-specific is baked into the kernel. (The
+    # device code drops arguments it does not read: the counter's unless synced.)
+    resident = "int resident, " if synced else ""
+    assert re.search(rf"int batch, {resident}int seq_len, int seq_len_kv", src), "dynamic lengths"
     # The gather is cp.async (16-byte chunks) through the index list.
     assert "tl::cp_async_gs<16>" in src
     # Score MMAs: wgmma for 64-row head blocks, mma.sync below (M = 16 / 32).
@@ -177,36 +189,46 @@ def test_compiles_for_sm90a(spec):
     assert kernels.topk_padded == -(-2112 // block_i) * block_i
     # The in-process cache returns the same compiled objects for the same static config.
     again = _compile(spec, kernels.topk_padded)
-    assert again.main is kernels.main and again.preprocess is kernels.preprocess
+    assert again.main.kernel is kernels.main.kernel and again.preprocess is kernels.preprocess
 
 
-def test_long_index_pitch_kernel_for_sm90a():
-    """Where long inputs read index rows of another pitch, compile_backward builds that kernel
-    too (so no length compiles anything later), and it differs from the plain one only in the
-    row pitch of its index loads."""
+def test_long_input_kernel_for_sm90a():
+    """At 64-row head blocks compile_backward also builds the long-input kernel (so no length
+    compiles anything later): the synchronised walk over index rows of another pitch."""
     kernels = _compile(dict(heads=64, dim=576), 2048)
-    assert (kernels.topk_padded, kernels.long_pitch) == (2048, 2112)
-    plain, long = (k.get_kernel_source() for k in (kernels.main, kernels.main_long))
-    assert plain.count("(int64_t)2048)") > 0 and "(int64_t)2112)" not in plain
-    assert long.replace("(int64_t)2112)", "(int64_t)2048)") == plain
-    assert kernels.main_for(32767) == (kernels.main, 2048)
-    assert kernels.main_for(32768) == (kernels.main_long, 2112)
+    plain, long = kernels.main, kernels.main_long
+    assert (plain.pitch, plain.synced, long.pitch, long.synced) == (2048, False, 2112, True)
+    assert plain.programs_per_sm == long.programs_per_sm == 1
+    src = long.kernel.get_kernel_source()
+    assert all(src.count(a) == 1 for a in _PROGRESS_ATOMICS)
+    assert "(int64_t)2112)" in src and "(int64_t)2048)" not in src
+    assert plain.kernel.get_kernel_source().count("(int64_t)2048)") > 0
+    assert kernels.main_for(32767) is plain and kernels.main_for(32768) is long
 
 
 @pytest.mark.parametrize(
-    "topk_padded, block_h, deterministic, pitch",
+    "topk_padded, block_h, deterministic, variants",
     [
-        (2048, 64, False, 2112),  # 8 KB rows -> an odd multiple of 256 bytes
-        (1024, 64, False, 1088),
-        (2112, 64, False, None),  # already odd
-        (2048, 64, True, None),  # deterministic mode: one kernel
-        (2048, 32, False, None),  # smaller head blocks: one kernel
-        (2048, 16, False, None),
-        (2080, 64, False, None),  # not a multiple of 64 slots (32-key blocks)
+        (2048, 64, False, ((2048, False), (2112, True))),  # 8 KB rows -> odd multiple of 256 B
+        (1024, 64, False, ((1024, False), (1088, True))),
+        (2112, 64, False, ((2112, False), (2112, True))),  # already odd
+        (2080, 64, False, ((2080, False), (2080, True))),  # not a multiple of 64 slots
+        (2048, 64, True, ((2048, False), None)),  # deterministic mode: one kernel, fixed walk
+        (2048, 16, True, ((2048, False), None)),
+        (2048, 32, False, ((2048, True), None)),  # smaller head blocks: one synced kernel
+        (2048, 16, False, ((2048, True), None)),
     ],
 )
-def test_long_index_pitch_rule(topk_padded, block_h, deterministic, pitch):
-    assert bw._long_index_pitch(topk_padded, block_h, deterministic) == pitch
+def test_main_variants_rule(topk_padded, block_h, deterministic, variants):
+    assert bw._main_variants(topk_padded, block_h, deterministic) == variants
+
+
+@pytest.mark.parametrize(
+    "threads, smem, programs",
+    [(256, 220 * 1024, 1), (256, 100 * 1024, 1), (128, 72 * 1024, 2), (128, 150 * 1024, 1)],
+)
+def test_programs_per_sm(threads, smem, programs):
+    assert bw._programs_per_sm(threads, smem) == programs
 
 
 @pytest.mark.parametrize("dim", [512, 576])
@@ -529,23 +551,24 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
 
 
 @pytest.mark.gpu
-def test_backward_long_index_pitch(compiled, monkeypatch):
-    """The long-input kernel (forced here at a short length) reads the same indices in wider
-    rows: results match the reference, and dq is the same bits as the plain kernel's (each dq
-    row is summed by one program in a fixed order)."""
-    heads, dim, topk = 64, 576, 100  # 2 blocks of 64 keys: rows of 128 slots, or 192
-    q, kv, dout, idx, sink, dlse = _case(
-        2, 96, 192, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=11
-    )
-    args = _kernel_args(q, kv, dout, idx, sink, dlse)
+@pytest.mark.parametrize("heads", [16, 64])
+def test_synced_walk_from_any_block(compiled, monkeypatch, heads):
+    """The synchronised walk (at 64 heads the long-input kernel, forced here at a short length,
+    rows of 128 index slots read in rows of 192) matches the reference from whatever block a
+    program starts at: with a resident count of one SM's programs the starts run through every
+    block of the row, not only the first wave's 0."""
+    dim, topk = 576, 100  # 2 blocks of 64 keys at 64 heads, 4 of 32 at 16
     tiling = _row_tiling(heads, dim)
-    plain = bw.sparse_attention_backward_tilelang(*args, **tiling)
     monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 1)
+    monkeypatch.setattr(bw, "sm_count", lambda device: 1)
     kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
-    assert kernels.main_for(2 * 96) == (kernels.main_long, 192)
-    long = bw.sparse_attention_backward_tilelang(*args, **tiling)
-    assert torch.equal(long[0], plain[0]), "dq differs between the two kernels"
-    _run_and_compare(q, kv, dout, idx, sink, dlse)
+    main = kernels.main_for(1)
+    assert main.synced and main.pitch == (192 if heads == 64 else 128)
+    for seed, (b, s, s_kv) in enumerate([(2, 96, 192), (1, 301, 350)]):
+        q, kv, dout, idx, sink, dlse = _case(
+            b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed
+        )
+        _run_and_compare(q, kv, dout, idx, sink, dlse)
 
 
 def _kernel_args(q, kv, dout, idx, sink, dlse):

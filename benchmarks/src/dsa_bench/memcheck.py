@@ -79,14 +79,16 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, s, s_kv = B, S, S_KV
     # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 / 64 heads
-    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576).
-    for heads, dim, topk, sink in (
-        (16, 576, 100, False),
-        (32, 576, 120, False),
-        (64, 512, 130, True),
-        (64, 576, 150, True),
-    ):
-        idx = attention_case(heads, dim, topk, sink, gen)
+    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576). A resident count of one
+    # SM's programs makes the synchronised walks (16 / 32 heads here) start at every block.
+    with mock.patch.object(tilelang_backward, "sm_count", lambda device: 1):
+        for heads, dim, topk, sink in (
+            (16, 576, 100, False),
+            (32, 576, 120, False),
+            (64, 512, 130, True),
+            (64, 576, 150, True),
+        ):
+            idx = attention_case(heads, dim, topk, sink, gen)
     for heads in (40, 64, 70):
         q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
         kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
@@ -96,8 +98,12 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
     # The backward's long-input kernel: 250 slots pad to 4 blocks of 64 keys, read in rows of
-    # 320 slots once the threshold (lowered to these 66 query rows) is reached.
-    with mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S):
+    # 320 slots once the threshold (lowered to these 66 query rows) is reached, synced walk from
+    # every block.
+    with (
+        mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S),
+        mock.patch.object(tilelang_backward, "sm_count", lambda device: 1),
+    ):
         print("long-input backward kernel:")
         attention_case(64, 576, 250, True, gen)
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),

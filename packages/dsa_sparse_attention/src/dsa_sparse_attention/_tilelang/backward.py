@@ -51,13 +51,24 @@ A small preprocess kernel computes ``rowsum(out * dout)`` in fp32. Folding the l
 the gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
 torch ops in the wrapper.
 
+Synchronised walk (default mode; where, see :func:`_main_variants`): past L2's size the fp32
+dkv rows are added from DRAM unless the programs running at once add to the same part of it.
+Index rows are ascending (``ranged_topk``'s contract; any order stays correct, only slower), so
+the programs would sweep the keys together if they walked the same block at the same time, but
+they start at different times. So each program starts its walk (a rotation of its blocks) at the
+block the others are at: a counter in global memory gets one add per finished block, and a
+program starting when it reads ``n`` begins at block ``(n // resident) % blocks``, ``resident``
+being how many programs the GPU holds at once. The first wave reads 0 and starts at block 0.
+The rotation changes the order dq sums its blocks, so dq is no longer the same bits run to run
+there (dkv never was in this mode); deterministic mode keeps the fixed order.
+
 Batch, query length and key length are dynamic symbols of every kernel, so new lengths reuse
 the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
 ``functools.lru_cache`` behind :func:`compile_backward`. The tiling has no default here: it
 comes from the caller's ``SparseAttentionConfig``, and :func:`check_backward_config` rejects
 what these kernels cannot run before anything is compiled. Where long inputs run faster with
-index rows of another pitch (:func:`_long_index_pitch`), both kernels are compiled together, so
-a length that crosses from one to the other compiles nothing either.
+another variant of the kernel (:func:`_main_variants`), both are compiled together, so a length
+that crosses from one to the other compiles nothing either.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the
@@ -70,7 +81,7 @@ import tilelang
 import tilelang.language as T
 import torch
 import torch.nn.functional as F
-from kernel_common import device_arch, tilelang_target
+from kernel_common import device_arch, sm_count, tilelang_target
 from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E, round_up
 
 from dsa_sparse_attention._tilelang._build import compile_kernel
@@ -374,11 +385,13 @@ def _build_main(
     split_store: int,
     dkv_reduce: str,
     deterministic: bool,
+    synced: bool,
 ):
     """The dq / dkv kernel (see the module docstring) for a configuration that passed
     :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``, the index slots
     walked per row, and ``index_pitch >= topk_padded`` the row pitch of the index copies (the
-    slots past ``topk_padded`` are never read).
+    slots past ``topk_padded`` are never read). ``synced``: walk the blocks from the start the
+    ``Progress`` counter gives (the module docstring's synchronised walk), else from block 0.
 
     Arguments: ``Q`` bf16 ``[B, S, H, D]``, ``KV`` bf16 ``[B, S_kv, G, D]``, ``Out`` / ``dO``
     bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, index_pitch]`` (the padded
@@ -387,7 +400,9 @@ def _build_main(
     ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
     deterministic mode) and ``DeltaFix`` fp32 ``[B, S, H]``, then ``Fix`` fp32 (the fixed-point
     scale ``2**k_d`` of each column, ``[D]``, in deterministic mode; ``[1]`` and unread
-    otherwise) and ``sm_scale``.
+    otherwise), ``Progress`` int32 ``[1]`` (zero at launch: key blocks finished by all programs;
+    read and written only when ``synced``), ``sm_scale`` and ``resident`` (programs the GPU
+    runs at once).
     """
     hg = heads // groups
     block_h = head_block(hg)
@@ -445,6 +460,10 @@ def _build_main(
     # Macros cannot see the kernel's locals: they take its buffers and indices in one namespace
     # `e`. Head rows at or past `e.n_real` are padding of a partial head block.
 
+    def block(e, ib):
+        """The index block of walk step `ib`: the program's rotation applied when synced."""
+        return (ib + e.start[0]) % n_blocks if synced else ib
+
     @T.macro
     def load_rows(e):
         """The program's q and dout rows into shared memory (per column slice), its lse2 and
@@ -472,6 +491,7 @@ def _build_main(
         """cp.async block `ib` of K/V rows into ring slot `buf` (no wait)."""
         # Through the pre-clamped indices: always in range, so no per-element clamp or bounds
         # test; the mask comes from the original indices.
+        key = block(e, ib) * bs
         for p in gather_passes:
             row = p * rows_per_pass + e.tx // 8
             if row < bs:
@@ -483,7 +503,7 @@ def _build_main(
                             "tl::cp_async_gs<16>",
                             T.address_of(e.kv_s[c][buf, row, col]),
                             T.address_of(
-                                e.KV[e.b, e.IdxC[e.b, e.s, e.g, ib * bs + row], e.g, c0 + col]
+                                e.KV[e.b, e.IdxC[e.b, e.s, e.g, key + row], e.g, c0 + col]
                             ),
                         )
 
@@ -500,8 +520,8 @@ def _build_main(
         """Wait for block `ib` (rows `kv`), then P and dS for all heads into `p_s` / `ds_s`."""
         T.ptx_wait_group(n_buf - 1)  # this thread's copies of block ib have landed ...
         for r in T.Parallel(bs):
-            e.valid[r] = (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
-                e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
+            e.valid[r] = (e.Idx[e.b, e.s, e.g, block(e, ib) * bs + r] >= 0) & (
+                e.Idx[e.b, e.s, e.g, block(e, ib) * bs + r] < seq_kv
             )
         T.sync_threads()  # ... and everyone else's
         for c, q_c in enumerate(e.q_s):
@@ -570,7 +590,7 @@ def _build_main(
         T.call_extern("handle", "dsa_fence_proxy_async_shared")
         T.sync_threads()
         if e.tx < bs:
-            row = e.Idx[e.b, e.s, e.g, ib * bs + e.tx]
+            row = e.Idx[e.b, e.s, e.g, block(e, ib) * bs + e.tx]
             if (row >= 0) & (row < seq_kv):
                 T.call_extern(
                     "handle",
@@ -595,29 +615,26 @@ def _build_main(
                 "handle",
                 f"dsa_red_add_warp_tile<{tile[0]}, {str(tile[1]).lower()}>",
                 e.acc_kv[c].access_ptr("rw"),
-                T.address_of(e.Idx[e.b, e.s, e.g, ib * bs + warp % warps_m * 16]),
+                T.address_of(e.Idx[e.b, e.s, e.g, block(e, ib) * bs + warp % warps_m * 16]),
                 T.address_of(e.dKV[e.b, 0, e.g, c0 + warp // warps_m * tile[0] * 8]),
                 groups * dim,
                 seq_kv,
             )
         else:
+            key = block(e, ib) * bs
             for r, d in T.Parallel(bs, w):
-                if (e.Idx[e.b, e.s, e.g, ib * bs + r] >= 0) & (
-                    e.Idx[e.b, e.s, e.g, ib * bs + r] < seq_kv
-                ):
+                if (e.Idx[e.b, e.s, e.g, key + r] >= 0) & (e.Idx[e.b, e.s, e.g, key + r] < seq_kv):
                     if deterministic:
                         T.call_extern(
                             "handle",
                             "dsa_red_add_fixed",
-                            T.address_of(
-                                e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d]
-                            ),
+                            T.address_of(e.dKV[e.b, e.Idx[e.b, e.s, e.g, key + r], e.g, c0 + d]),
                             e.acc_kv[c][r, d],
                             e.Fix[c0 + d],
                         )
                     else:
                         T.atomic_add(
-                            e.dKV[e.b, e.Idx[e.b, e.s, e.g, ib * bs + r], e.g, c0 + d],
+                            e.dKV[e.b, e.Idx[e.b, e.s, e.g, key + r], e.g, c0 + d],
                             e.acc_kv[c][r, d],
                         )
 
@@ -634,6 +651,8 @@ def _build_main(
                 reduce_slice_tma(e, ib, c)
             else:
                 reduce_slice_atomic(e, ib, c)
+        if synced and e.tx == 0:
+            T.atomic_add(e.Progress[0], 1)
 
     @T.macro
     def refine(e):
@@ -681,7 +700,9 @@ def _build_main(
         dKV: T.Tensor((batch, seq_kv, groups, dim), acc_dtype),
         DeltaFix: T.Tensor((batch, seq, heads), T.float32),
         Fix: T.Tensor((fix_len,), T.float32),
+        Progress: T.Tensor((1,), T.int32),
         sm_scale: T.float32,
+        resident: T.int32,
     ):
         with T.Kernel(seq, batch, groups * n_hc, threads=threads, prelude=prelude) as (
             s_i,
@@ -709,6 +730,7 @@ def _build_main(
             acc_dq = [T.alloc_fragment((block_h, w), T.float32) for _, w in slices]
             acc_kv = [T.alloc_fragment((bs, w), T.float32) for _, w in slices]
             stage = T.alloc_shared((bs, stage_w), acc_dtype) if use_tma else None
+            start = T.alloc_local((1,), T.int32) if synced else None
             e = SimpleNamespace(
                 Q=Q,
                 KV=KV,
@@ -723,6 +745,8 @@ def _build_main(
                 dKV=dKV,
                 DeltaFix=DeltaFix,
                 Fix=Fix,
+                Progress=Progress,
+                start=start,
                 sm_scale=sm_scale,
                 scale_log2=sm_scale * LOG2E,
                 b=b_i,
@@ -749,6 +773,16 @@ def _build_main(
                 stage=stage,
             )
 
+            if synced:
+                # One thread reads the counter (through an atomic: L1 does not see other SMs'
+                # adds) and shares the start, which every thread must agree on. The start is a
+                # floor modulo, in [0, n_blocks) even if the int32 counter ever wrapped.
+                start_s = T.alloc_shared((1,), T.int32)
+                if e.tx == 0:
+                    done = T.atomic_add(Progress[0], 0, return_prev=True)
+                    start_s[0] = (done // resident) % n_blocks
+                T.sync_threads()
+                start[0] = start_s[0]
             load_rows(e)
             fill_ring(e)
             for ib in T.serial(n_blocks):
@@ -763,25 +797,33 @@ def _build_main(
 
 
 @dataclass(frozen=True)
+class MainKernel:
+    """One compiled dq / dkv kernel and what its launch needs."""
+
+    # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_acc, delta_fix, fix,
+    #  progress, scale, resident)
+    kernel: tilelang.JITKernel
+    pitch: int  # index slots per row of the index copies it reads
+    synced: bool  # the synchronised walk (module docstring)
+    programs_per_sm: int  # resident = this x the GPU's SMs
+
+
+@dataclass(frozen=True)
 class BackwardKernels:
     """The compiled kernels of one static configuration (see :func:`compile_backward`)."""
 
     preprocess: tilelang.JITKernel  # (out, dout, rowsum(out * dout))
-    # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_acc, delta_fix, fix,
-    #  scale), index rows of `topk_padded` slots
-    main: tilelang.JITKernel
+    main: MainKernel
+    # The kernel for inputs of `_LONG_INDEX_ROWS` query rows or more (None where `main` serves
+    # every length, see `_main_variants`).
+    main_long: MainKernel | None
     topk_padded: int
-    # The same kernel reading index rows of `long_pitch` slots, for long inputs (both None
-    # where one pitch serves every length, see `_long_index_pitch`).
-    main_long: tilelang.JITKernel | None
-    long_pitch: int | None
 
-    def main_for(self, rows: int) -> tuple[tilelang.JITKernel, int]:
-        """The main kernel for an input of ``rows`` query rows (batch x length) and the row
-        pitch, in index slots, of the index copies it reads."""
+    def main_for(self, rows: int) -> MainKernel:
+        """The main kernel for an input of ``rows`` query rows (batch x length)."""
         if self.main_long is not None and rows >= _LONG_INDEX_ROWS:
-            return self.main_long, self.long_pitch
-        return self.main, self.topk_padded
+            return self.main_long
+        return self.main
 
 
 @functools.lru_cache(maxsize=None)
@@ -838,17 +880,29 @@ def compile_backward(
     Raises ValueError (see :func:`check_backward_config`) before compiling anything the kernels
     cannot run. Threads per program follow the head count (:func:`program_threads`). Batch,
     query and key lengths are not parameters: the kernels take them at run time. Where
-    :func:`_long_index_pitch` gives long inputs another index pitch, the kernel for that pitch
-    is compiled here too (``main_long``), so that no length compiles anything later.
+    :func:`_main_variants` gives long inputs another kernel, it is compiled here too
+    (``main_long``), so that no length compiles anything later.
     """
     check_backward_config(
         heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce, deterministic
     )
     topk_padded = round_up(topk, block_i)
-    long_pitch = _long_index_pitch(topk_padded, head_block(heads // groups), deterministic)
+    hg = heads // groups
+    smem = shared_memory_bytes(
+        hg,
+        dim,
+        d_v,
+        block_i=block_i,
+        num_stages=num_stages,
+        split_store=split_store,
+        dkv_reduce=dkv_reduce,
+        deterministic=deterministic,
+    )
+    per_sm = _programs_per_sm(program_threads(hg), smem)
+    plain, long = _main_variants(topk_padded, head_block(hg), deterministic)
 
-    def main_kernel(pitch: int) -> tilelang.JITKernel:
-        return _compile_main(
+    def main_kernel(pitch: int, synced: bool) -> MainKernel:
+        kernel = _compile_main(
             heads,
             groups,
             dim,
@@ -860,40 +914,62 @@ def compile_backward(
             split_store,
             dkv_reduce,
             deterministic,
+            synced,
             target=target,
         )
+        return MainKernel(kernel, pitch, synced, per_sm)
 
     return BackwardKernels(
         preprocess=_compile_preprocess(heads, d_v, target),
-        main=main_kernel(topk_padded),
+        main=main_kernel(*plain),
+        main_long=None if long is None else main_kernel(*long),
         topk_padded=topk_padded,
-        main_long=None if long_pitch is None else main_kernel(long_pitch),
-        long_pitch=long_pitch,
     )
 
 
-# Query rows (batch x length) from which `_long_index_pitch` applies: the odd pitch cost 3-4%
-# at 16k rows and gained from 32k on (benchmarks/NOTES.md, "The index rows' pitch").
+# Query rows (batch x length) from which `main_long` runs: below, the odd pitch cost 3-4% and
+# the synchronised walk 1-2% at 64 heads 16k (benchmarks/NOTES.md, "The index rows' pitch" and
+# "A synchronised walk").
 _LONG_INDEX_ROWS = 32768
 
 
-def _long_index_pitch(topk_padded: int, block_h: int, deterministic: bool) -> int | None:
-    """The index rows' pitch (int32 slots) for inputs of ``_LONG_INDEX_ROWS`` query rows or
-    more, or None to keep ``topk_padded`` at every length.
+def _main_variants(
+    topk_padded: int, block_h: int, deterministic: bool
+) -> tuple[tuple[int, bool], tuple[int, bool] | None]:
+    """(index pitch in int32 slots, synced) of the main kernel, and of the kernel for inputs of
+    ``_LONG_INDEX_ROWS`` query rows or more (None: the first serves every length).
 
-    Measured on H100s, glm5 64 heads (`results/backward_index_pitch_*_h100.log`): from 32k
-    rows the copies the kernel reads (256 MB each at 32k rows of 2048) stream from DRAM while the
-    ~132 programs of adjacent queries read the same block of their rows at about the same time,
-    one pitch apart. With rows of 2048 slots (8 KB) the 64k backward never ran under 245 ms in
-    56 calls; with 2112 (8448 bytes, an odd multiple of 256) it fell into a ~190 ms state in 18
-    of 28 calls, and 128k took 516-520 ms against 606-610. At 16k the odd pitch was 3-4% slower
-    (hence the threshold). At 8 heads it gained nothing and in deterministic mode it lost 3-4%,
-    so only 64-row head blocks (more than 32 heads per group, where it was measured) in the
-    default mode get the second kernel, and only for rows of an even multiple of 64 slots,
-    which move to the next odd multiple."""
-    if deterministic or block_h < 64 or topk_padded % 64 or topk_padded // 64 % 2:
-        return None
-    return topk_padded + 64
+    Measured on H100s, glm5 (`results/backward_sync_walk_h100.log`,
+    `results/backward_index_pitch_*_h100.log`): the synchronised walk took 8 heads from 218 to
+    110 ms at 64k and from 522-528 to 306-310 at 128k, and 16k from 28.3 to 26.8; 64 heads
+    (with the odd pitch below) from 190-261 to 184-202 at 64k and from 519-592 to 402-419 at
+    128k, but 16k from 45.5 to 46.3. With it, rows of an even multiple of 64 slots at 64-row
+    head blocks move to the next odd multiple (2048 -> 2112: at 64k the plain kernel never ran
+    under 245 ms in 56 calls before the walk was synced, the odd pitch fell into a ~190 ms
+    state in 18 of 28). So: below 64-row head blocks one synced kernel; at 64-row head blocks
+    the plain kernel below the threshold and the synced one, odd-pitched where it applies,
+    above. Deterministic mode keeps the fixed walk (dq's bits depend on its order)."""
+    if deterministic:
+        return (topk_padded, False), None
+    if block_h < 64:
+        return (topk_padded, True), None
+    even = topk_padded % 64 == 0 and topk_padded // 64 % 2 == 0
+    return (topk_padded, False), (topk_padded + 64 if even else topk_padded, True)
+
+
+# An SM's registers and shared memory (Hopper: 64 K 32-bit registers, 228 KB of which 1 KB is
+# reserved per program).
+_SM_REGISTERS = 65536
+_SM_SHARED_BYTES = 228 * 1024
+
+
+def _programs_per_sm(threads: int, smem: int) -> int:
+    """Programs of the main kernel one SM runs at once: the synchronised walk's ``resident``
+    count is this times the SMs. The kernels are compiled for one program per SM at least, so
+    ptxas may give each thread up to 255 registers and the 256-thread programs take a whole
+    SM's registers; the 128-thread ones take 2 (the 16-head rows use 241 registers a thread,
+    and ncu counts two programs per SM), fewer if their shared memory does not fit twice."""
+    return max(1, min(_SM_REGISTERS // (threads * 255), _SM_SHARED_BYTES // (smem + 1024)))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -1008,8 +1084,8 @@ def sparse_attention_backward_tilelang(
             deterministic=deterministic,
             target=tilelang_target(device_arch(q.device))["arch"],
         )
-        main_kernel, pitch = kernels.main_for(b * s)
-        pad = pitch - indices.shape[-1]
+        main = kernels.main_for(b * s)
+        pad = main.pitch - indices.shape[-1]
         idx = _aligned(F.pad(indices, (0, pad), value=-1) if pad else indices)
         # Padding of any kind gathers row 0 (always in range); the kernel masks it from `idx`.
         idx_c = torch.where((idx >= 0) & (idx < s_kv), idx, 0)
@@ -1030,7 +1106,7 @@ def sparse_attention_backward_tilelang(
         )
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
-        main_kernel(
+        main.kernel(
             _aligned(q),
             _aligned(kv),
             out,
@@ -1044,7 +1120,9 @@ def sparse_attention_backward_tilelang(
             dkv_acc,
             delta_fix,
             fix,
+            torch.zeros(1, dtype=torch.int32, device=q.device),  # progress (read when synced)
             float(sm_scale),
+            main.programs_per_sm * sm_count(q.device),
         )
         delta = delta_fix
     else:
