@@ -33,8 +33,8 @@ each column d is chosen per call on the GPU from a bound on that column of ``|dk
 (:func:`_fixed_point_scale`), so that no partial sum can overflow 2**63 while the quantum stays
 ~2**-61 of the bound, and a column of large values (an outlier channel of q) does not coarsen
 the others; the wrapper converts back through float64.
-dq and dsink need nothing: each dq row is written by one program in a fixed order, and dsink is a
-torch reduction.
+dq and dsink need only the fixed walk (below): each dq row, and the exact delta dsink reads, is
+summed by one program in its walk's block order, and dsink is a torch reduction.
 
 The bf16 ``out`` rounds ``delta = rowsum(o * do)``, and where attention is peaked (one key
 holds nearly all the weight) ``dP - delta`` cancels, so that rounding would dominate dq: the
@@ -59,8 +59,9 @@ they start at different times. So each program starts its walk (a rotation of it
 block the others are at: a counter in global memory gets one add per finished block, and a
 program starting when it reads ``n`` begins at block ``(n // resident) % blocks``, ``resident``
 being how many programs the GPU holds at once. The first wave reads 0 and starts at block 0.
-The rotation changes the order dq sums its blocks, so dq is no longer the same bits run to run
-there (dkv never was in this mode); deterministic mode keeps the fixed order.
+The rotation changes the order a program sums its blocks, so dq and dsink (through the exact
+delta) are no longer the same bits run to run there (dkv never was in this mode); deterministic
+mode keeps the fixed order.
 
 Batch, query length and key length are dynamic symbols of every kernel, so new lengths reuse
 the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
@@ -488,7 +489,8 @@ def _build_main(
 
     @T.macro
     def gather(e, ib, buf):
-        """cp.async block `ib` of K/V rows into ring slot `buf` (no wait)."""
+        """cp.async the K/V rows of walk step `ib` (its block: `block`) into ring slot `buf`
+        (no wait)."""
         # Through the pre-clamped indices: always in range, so no per-element clamp or bounds
         # test; the mask comes from the original indices.
         key = block(e, ib) * bs
@@ -517,7 +519,8 @@ def _build_main(
 
     @T.macro
     def block_scores(e, ib, kv):
-        """Wait for block `ib` (rows `kv`), then P and dS for all heads into `p_s` / `ds_s`."""
+        """Wait for walk step `ib` (rows `kv`), then P and dS for all heads into `p_s` /
+        `ds_s`."""
         T.ptx_wait_group(n_buf - 1)  # this thread's copies of block ib have landed ...
         for r in T.Parallel(bs):
             e.valid[r] = (e.Idx[e.b, e.s, e.g, block(e, ib) * bs + r] >= 0) & (
@@ -941,14 +944,15 @@ def _main_variants(
 
     Measured on H100s, glm5 (`results/backward_sync_walk_h100.log`,
     `results/backward_index_pitch_*_h100.log`): the synchronised walk took 8 heads from 218 to
-    110 ms at 64k and from 522-528 to 306-310 at 128k, and 16k from 28.3 to 26.8; 64 heads
+    110 ms at 64k and from 522-528 to 306-310 at 128k, and 16k from 28.3 to 26.7-27.0; 64 heads
     (with the odd pitch below) from 190-261 to 184-202 at 64k and from 519-592 to 402-419 at
-    128k, but 16k from 45.5 to 46.3. With it, rows of an even multiple of 64 slots at 64-row
-    head blocks move to the next odd multiple (2048 -> 2112: at 64k the plain kernel never ran
-    under 245 ms in 56 calls before the walk was synced, the odd pitch fell into a ~190 ms
-    state in 18 of 28). So: below 64-row head blocks one synced kernel; at 64-row head blocks
-    the plain kernel below the threshold and the synced one, odd-pitched where it applies,
-    above. Deterministic mode keeps the fixed walk (dq's bits depend on its order)."""
+    128k, but 16k from 45.4-45.5 to 46.1-46.6. With it, rows of an even multiple of 64 slots
+    at 64-row head blocks move to the next odd multiple (2048 -> 2112: at 64k the plain kernel
+    never ran under 245 ms in 56 calls before the walk was synced, the odd pitch fell into a
+    ~190 ms state in 18 of 28). So: below 64-row head blocks one synced kernel; at 64-row head
+    blocks the plain kernel below the threshold and the synced one, odd-pitched where it
+    applies, above. Deterministic mode keeps the fixed walk (dq's and dsink's bits depend on
+    its order)."""
     if deterministic:
         return (topk_padded, False), None
     if block_h < 64:
