@@ -251,8 +251,9 @@ def check_backward_config(
     split_store: int,
     dkv_reduce: str,
     deterministic: bool,
-) -> None:
-    """Raise ValueError unless the backward kernels can run this configuration.
+) -> int:
+    """Raise ValueError unless the backward kernels can run this configuration; return the
+    main kernel's shared memory per program (:func:`shared_memory_bytes`), which it checks.
 
     Static shape: ``heads`` = ``q.shape[2]``, ``groups`` = ``kv.shape[2]``, ``dim`` =
     ``q.shape[-1]`` (d_v + RoPE tail), ``d_v``; tiling: ``block_i``, ``num_stages``,
@@ -340,6 +341,7 @@ def check_backward_config(
             f"more than the {HOPPER_SMEM_PER_BLOCK} bytes a Hopper thread block can use; use "
             f"{fixes}"
         )
+    return smem
 
 
 def _build_preprocess(heads: int, d_v: int):
@@ -886,21 +888,11 @@ def compile_backward(
     :func:`_main_variants` gives long inputs another kernel, it is compiled here too
     (``main_long``), so that no length compiles anything later.
     """
-    check_backward_config(
+    smem = check_backward_config(
         heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce, deterministic
     )
     topk_padded = round_up(topk, block_i)
     hg = heads // groups
-    smem = shared_memory_bytes(
-        hg,
-        dim,
-        d_v,
-        block_i=block_i,
-        num_stages=num_stages,
-        split_store=split_store,
-        dkv_reduce=dkv_reduce,
-        deterministic=deterministic,
-    )
     per_sm = _programs_per_sm(program_threads(hg), smem)
     plain, long = _main_variants(topk_padded, head_block(hg), deterministic)
 
