@@ -555,8 +555,10 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
 def test_synced_walk_from_any_block(compiled, monkeypatch, heads):
     """The synchronised walk (at 64 heads the long-input kernel, forced here at a short length,
     rows of 128 index slots read in rows of 192) matches the reference from whatever block a
-    program starts at: with a resident count of one SM's programs the starts run through every
-    block of the row, not only the first wave's 0."""
+    program starts at: with the counter preset to k times the resident count every program,
+    the first wave's too, starts at block k (then later ones further on), for every k; and
+    from a zero counter with a resident count of one SM's programs, the programs past the first
+    wave start wherever the others are."""
     dim, topk = 576, 100  # 2 blocks of 64 keys at 64 heads, 4 of 32 at 16
     tiling = _row_tiling(heads, dim)
     monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 1)
@@ -564,6 +566,14 @@ def test_synced_walk_from_any_block(compiled, monkeypatch, heads):
     kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
     main = kernels.main_for(1)
     assert main.synced and main.pitch == (192 if heads == 64 else 128)
+    case = _case(2, 96, 192, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=0)
+    counter = bw._walk_counter
+    for k in range(kernels.topk_padded // tiling["block_i"]):
+        monkeypatch.setattr(
+            bw, "_walk_counter", lambda device, k=k: counter(device) + k * main.programs_per_sm
+        )
+        _run_and_compare(*case)
+    monkeypatch.setattr(bw, "_walk_counter", counter)
     for seed, (b, s, s_kv) in enumerate([(2, 96, 192), (1, 301, 350)]):
         q, kv, dout, idx, sink, dlse = _case(
             b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed

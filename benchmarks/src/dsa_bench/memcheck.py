@@ -17,6 +17,7 @@ logits -> top-k kernel; a CP shard whose logits launches split the keys into chu
     compute-sanitizer --tool memcheck python -m dsa_bench.memcheck
 """
 
+import contextlib
 import dataclasses
 from unittest import mock
 
@@ -74,14 +75,28 @@ def attention_case(heads: int, dim: int, topk: int, sink: bool, gen) -> torch.Te
     return idx
 
 
+@contextlib.contextmanager
+def rotated_walk():
+    """Synchronised walks that start past block 0: a resident count of one SM's programs (1 or
+    2) and the counter preset to 7, so the first wave starts at block 7 or 3 modulo the row's
+    blocks (2 or 4 in the cases here: block 1 or 3) and the programs after it wherever the
+    others are."""
+    counter = tilelang_backward._walk_counter
+    with (
+        mock.patch.object(tilelang_backward, "sm_count", lambda device: 1),
+        mock.patch.object(tilelang_backward, "_walk_counter", lambda device: counter(device) + 7),
+    ):
+        yield
+
+
 def main() -> None:
     common.require_cuda("dsa_bench.memcheck")
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, s, s_kv = B, S, S_KV
     # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 / 64 heads
-    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576). A resident count of one
-    # SM's programs makes the synchronised walks (16 / 32 heads here) start at every block.
-    with mock.patch.object(tilelang_backward, "sm_count", lambda device: 1):
+    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576). The synchronised walks (16
+    # / 32 heads here) start mid-row: see `rotated_walk`.
+    with rotated_walk():
         for heads, dim, topk, sink in (
             (16, 576, 100, False),
             (32, 576, 120, False),
@@ -99,11 +114,8 @@ def main() -> None:
         print(f"probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
     # The backward's long-input kernel: 250 slots pad to 4 blocks of 64 keys, read in rows of
     # 320 slots once the threshold (lowered to these 66 query rows) is reached, synced walk from
-    # every block.
-    with (
-        mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S),
-        mock.patch.object(tilelang_backward, "sm_count", lambda device: 1),
-    ):
+    # block 3.
+    with mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S), rotated_walk():
         print("long-input backward kernel:")
         attention_case(64, 576, 250, True, gen)
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),

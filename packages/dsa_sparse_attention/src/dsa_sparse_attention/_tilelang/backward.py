@@ -968,6 +968,12 @@ def _programs_per_sm(threads: int, smem: int) -> int:
     return max(1, min(_SM_REGISTERS // (threads * 255), _SM_SHARED_BYTES // (smem + 1024)))
 
 
+def _walk_counter(device: torch.device) -> torch.Tensor:
+    """int32 ``[1]``: the synchronised walk's count of finished key blocks, zero at launch (the
+    tests and memcheck preset it to start every program at another block)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` contiguous with a 16-byte aligned base (cp.async / bulk copies move 16 B units)."""
     t = t.contiguous()
@@ -1102,6 +1108,11 @@ def sparse_attention_backward_tilelang(
         )
         dq = torch.empty_like(q)  # every real head row is written by the kernel
         delta_fix = torch.empty_like(delta)  # delta without the bf16 rounding of out
+        progress = (
+            _walk_counter(q.device)
+            if main.synced
+            else torch.empty(1, dtype=torch.int32, device=q.device)  # unread
+        )
         main.kernel(
             _aligned(q),
             _aligned(kv),
@@ -1116,7 +1127,7 @@ def sparse_attention_backward_tilelang(
             dkv_acc,
             delta_fix,
             fix,
-            torch.zeros(1, dtype=torch.int32, device=q.device),  # progress (read when synced)
+            progress,
             float(sm_scale),
             main.programs_per_sm * sm_count(q.device),
         )
