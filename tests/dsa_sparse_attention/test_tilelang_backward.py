@@ -119,14 +119,22 @@ _PROGRESS_ATOMICS = ("AtomicAddRet((&(Progress[0])), 0)", "AtomicAdd((&(Progress
 
 
 def _check_source(kernels, spec):
-    src = kernels.main.kernel.get_kernel_source()
     hg = spec["heads"] // spec.get("groups", 1)
     tiling = _row_tiling(spec["heads"], spec["dim"]) | {
         k: v for k, v in spec.items() if k not in ("heads", "dim", "groups")
     }
-    # Default mode below 64-row head blocks walks synced (the counter's atomics, nothing else).
-    synced = not tiling["deterministic"] and bw.head_block(hg) < 64
-    assert kernels.main.synced == synced
+    # Default mode has a synced kernel beside the fixed walk's (the counter's atomics, nothing
+    # else); deterministic mode only the fixed walk.
+    assert not kernels.main.synced
+    assert (kernels.synced is None) == tiling["deterministic"]
+    for main in (kernels.main, kernels.synced):
+        if main is not None:
+            _check_main_source(main.kernel.get_kernel_source(), main.synced, hg, spec, tiling)
+    pre = kernels.preprocess.get_kernel_source()
+    assert re.search(r"int batch, int seq_len\)", pre)
+
+
+def _check_main_source(src, synced, hg, spec, tiling):
     assert all((src.count(a) == 1) == synced for a in _PROGRESS_ATOMICS)
     for atomic in _PROGRESS_ATOMICS:
         src = src.replace(atomic, "")
@@ -172,8 +180,6 @@ def _check_source(kernels, spec):
         else:
             assert not calls and "AtomicAddx2" in src
     assert f"__launch_bounds__({bw.program_threads(hg)}" in src
-    pre = kernels.preprocess.get_kernel_source()
-    assert re.search(r"int batch, int seq_len\)", pre)
 
 
 @pytest.mark.parametrize(
@@ -192,35 +198,29 @@ def test_compiles_for_sm90a(spec):
     assert again.main.kernel is kernels.main.kernel and again.preprocess is kernels.preprocess
 
 
-def test_long_input_kernel_for_sm90a():
-    """At 64-row head blocks compile_backward also builds the long-input kernel (so no length
-    compiles anything later): the synchronised walk over index rows of another pitch."""
+def test_synced_kernel_for_sm90a():
+    """compile_backward builds the synced kernel together with the fixed walk's (so no length
+    compiles anything later) and runs it once the fp32 dkv passes the threshold."""
     kernels = _compile(dict(heads=64, dim=576), 2048)
-    plain, long = kernels.main, kernels.main_long
-    assert (plain.pitch, plain.synced, long.pitch, long.synced) == (2048, False, 2112, True)
-    assert plain.programs_per_sm == long.programs_per_sm == 1
-    src = long.kernel.get_kernel_source()
-    assert all(src.count(a) == 1 for a in _PROGRESS_ATOMICS)
-    assert "(int64_t)2112)" in src and "(int64_t)2048)" not in src
-    assert plain.kernel.get_kernel_source().count("(int64_t)2048)") > 0
-    assert kernels.main_for(32767) is plain and kernels.main_for(32768) is long
+    plain, synced = kernels.main, kernels.synced
+    assert (plain.synced, synced.synced) == (False, True)
+    assert plain.programs_per_sm == synced.programs_per_sm == 1
+    assert kernels.sync_above == 48 << 20
+    assert kernels.main_for(48 << 20) is plain and kernels.main_for((48 << 20) + 1) is synced
 
 
 @pytest.mark.parametrize(
-    "topk_padded, block_h, deterministic, variants",
+    "block_h, deterministic, threshold",
     [
-        (2048, 64, False, ((2048, False), (2112, True))),  # 8 KB rows -> odd multiple of 256 B
-        (1024, 64, False, ((1024, False), (1088, True))),
-        (2112, 64, False, ((2112, False), (2112, True))),  # already odd
-        (2080, 64, False, ((2080, False), (2080, True))),  # not a multiple of 64 slots
-        (2048, 64, True, ((2048, False), None)),  # deterministic mode: one kernel, fixed walk
-        (2048, 16, True, ((2048, False), None)),
-        (2048, 32, False, ((2048, True), None)),  # smaller head blocks: one synced kernel
-        (2048, 16, False, ((2048, True), None)),
+        (64, False, 48 << 20),  # cost 1-3% at 36 MiB, gained 8% at 64 MiB (H100, 50 MB L2)
+        (32, False, 32 << 20),  # below 64-row head blocks: gained past 32 MiB, cost below
+        (16, False, 32 << 20),
+        (64, True, None),  # deterministic mode: the fixed walk only
+        (16, True, None),
     ],
 )
-def test_main_variants_rule(topk_padded, block_h, deterministic, variants):
-    assert bw._main_variants(topk_padded, block_h, deterministic) == variants
+def test_sync_threshold_rule(block_h, deterministic, threshold):
+    assert bw._sync_threshold(block_h, deterministic) == threshold
 
 
 @pytest.mark.parametrize(
@@ -533,16 +533,17 @@ def test_backward_block_counts(compiled, case):
 def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
     dim, topk = 576, 640
     tiling = _row_tiling(heads, dim)
-    # The only compile. At 64 heads the lengths below cross the long-input threshold (37 rows,
-    # then 128 and 387), so its kernel must exist by now; 16 heads have one for every length.
+    # The only compile. The lengths below cross the synced kernel's threshold (lowered to 500
+    # kB of fp32 dkv: 80 key rows are under it, 2 x 128 and 3 x 301 over), so it must exist by
+    # now.
     kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
-    assert (kernels.main_long is not None) == (heads == 64)
+    assert kernels.synced is not None
 
     def no_compile(*args, **kwargs):
         raise AssertionError("a new length must not compile a new kernel")
 
     monkeypatch.setattr(bw.tilelang, "compile", no_compile)
-    monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 100)
+    monkeypatch.setattr(bw, "_sync_threshold", lambda block_h, deterministic: 500_000)
     for seed, (b, s, s_kv) in enumerate([(1, 37, 80), (2, 64, 128), (3, 129, 301)]):
         q, kv, dout, idx, sink, dlse = _case(
             b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed
@@ -553,19 +554,18 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 64])
 def test_synced_walk_from_any_block(compiled, monkeypatch, heads):
-    """The synchronised walk (at 64 heads the long-input kernel, forced here at a short length,
-    rows of 128 index slots read in rows of 192) matches the reference from whatever block a
-    program starts at: with the counter preset to k times the resident count every program,
-    the first wave's too, starts at block k (then later ones further on), for every k; and
-    from a zero counter with a resident count of one SM's programs, the programs past the first
-    wave start wherever the others are."""
+    """The synchronised walk (forced here at short lengths) matches the reference from whatever
+    block a program starts at: with the counter preset to k times the resident count every
+    program, the first wave's too, starts at block k (then later ones further on), for every
+    k; and from a zero counter with a resident count of one SM's programs, the programs past
+    the first wave start wherever the others are."""
     dim, topk = 576, 100  # 2 blocks of 64 keys at 64 heads, 4 of 32 at 16
     tiling = _row_tiling(heads, dim)
-    monkeypatch.setattr(bw, "_LONG_INDEX_ROWS", 1)
+    monkeypatch.setattr(bw, "_sync_threshold", lambda block_h, deterministic: 0)
     monkeypatch.setattr(bw, "sm_count", lambda device: 1)
     kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
     main = kernels.main_for(1)
-    assert main.synced and main.pitch == (192 if heads == 64 else 128)
+    assert main.synced
     case = _case(2, 96, 192, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=0)
     counter = bw._walk_counter
     for k in range(kernels.topk_padded // tiling["block_i"]):

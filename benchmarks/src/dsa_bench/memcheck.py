@@ -7,8 +7,7 @@ backward, the table's row for its shape, then its deterministic row) and
 ``sparse_attention_probs`` on the same indices (the TileLang kernel on Hopper), the Triton
 probs kernel and the Triton forward; ``sparse_attention_probs`` on those indices at 40, 64 and
 70 heads (the TileLang kernel's head blocks of 64: a partial one, one full, a full and a
-partial); the backward's long-input kernel (index rows 64 slots wider, run from 32k query rows)
-forced at a short length;
+partial); the backward's synced kernels (run once dkv outgrows L2) forced at a short length;
 then ``lightning_indexer`` in several blocks (forward, backward; the two passes and the fused
 logits -> top-k kernel; a CP shard whose logits launches split the keys into chunks) and
 ``indexer_kl_loss``
@@ -77,12 +76,13 @@ def attention_case(heads: int, dim: int, topk: int, sink: bool, gen) -> torch.Te
 
 @contextlib.contextmanager
 def rotated_walk():
-    """Synchronised walks that start past block 0: a resident count of one SM's programs (1 or
-    2) and the counter preset to 7, so the first wave starts at block 7 or 3 modulo the row's
-    blocks (2 or 4 in the cases here: block 1 or 3) and the programs after it wherever the
-    others are."""
+    """The default mode's synced kernels at every size, starting past block 0: a resident count
+    of one SM's programs (1 or 2) and the counter preset to 7, so the first wave starts at
+    block 7 or 3 modulo the row's blocks (4 in the cases here: block 3) and the programs after
+    it wherever the others are."""
     counter = tilelang_backward._walk_counter
     with (
+        mock.patch.object(tilelang_backward, "_sync_threshold", lambda block_h, det: 0),
         mock.patch.object(tilelang_backward, "sm_count", lambda device: 1),
         mock.patch.object(tilelang_backward, "_walk_counter", lambda device: counter(device) + 7),
     ):
@@ -94,16 +94,15 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, s, s_kv = B, S, S_KV
     # The table's tilings, all atomics on row segments: 16 heads 32-key blocks and 32 / 64 heads
-    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576). The synchronised walks (16
-    # / 32 heads here) start mid-row: see `rotated_walk`.
-    with rotated_walk():
-        for heads, dim, topk, sink in (
-            (16, 576, 100, False),
-            (32, 576, 120, False),
-            (64, 512, 130, True),
-            (64, 576, 150, True),
-        ):
-            idx = attention_case(heads, dim, topk, sink, gen)
+    # 64-key blocks in 4 slices (128-byte segments; D 512 and 576); the fixed walk (dkv this
+    # small is under the synchronised walk's threshold).
+    for heads, dim, topk, sink in (
+        (16, 576, 100, False),
+        (32, 576, 120, False),
+        (64, 512, 130, True),
+        (64, 576, 150, True),
+    ):
+        idx = attention_case(heads, dim, topk, sink, gen)
     for heads in (40, 64, 70):
         q = torch.randn(b, s, heads, 576, device="cuda", generator=gen).bfloat16()
         kv = torch.randn(b, s_kv, 1, 576, device="cuda", generator=gen).bfloat16()
@@ -112,11 +111,11 @@ def main() -> None:
         target = sparse_attention_probs(q, kv, idx, lse)
         torch.cuda.synchronize()
         print(f"probs heads={heads}: finite={bool(torch.isfinite(target).all())}")
-    # The backward's long-input kernel: 250 slots pad to 4 blocks of 64 keys, read in rows of
-    # 320 slots once the threshold (lowered to these 66 query rows) is reached, synced walk from
-    # block 3.
-    with mock.patch.object(tilelang_backward, "_LONG_INDEX_ROWS", B * S), rotated_walk():
-        print("long-input backward kernel:")
+    # The synced kernels (see `rotated_walk`): 16 heads, 100 slots in 4 blocks of 32 keys; 64
+    # heads, 250 slots in 4 blocks of 64 keys.
+    with rotated_walk():
+        print("synced backward kernels:")
+        attention_case(16, 576, 100, False, gen)
         attention_case(64, 576, 250, True, gen)
     # The indexer: a 64-row budget over packed causal ranges (32-row blocks on two streams),
     # then the KL loss; with the two passes and with the fused logits -> top-k kernel (lists of

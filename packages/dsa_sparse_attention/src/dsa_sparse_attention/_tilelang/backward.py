@@ -51,8 +51,9 @@ A small preprocess kernel computes ``rowsum(out * dout)`` in fp32. Folding the l
 the gather and the fp32 -> bf16 conversion of dkv are O(B S H) / O(B S G topk) / O(B S_kv G D)
 torch ops in the wrapper.
 
-Synchronised walk (default mode; where, see :func:`_main_variants`): past L2's size the fp32
-dkv rows are added from DRAM unless the programs running at once add to the same part of it.
+Synchronised walk (default mode, once dkv outgrows L2, see :func:`_sync_threshold`): past
+L2's size the fp32 dkv rows are added from DRAM unless the programs running at once add to the
+same part of it.
 Index rows are ascending (``ranged_topk``'s contract; any order stays correct, only slower), so
 the programs would sweep the keys together if they walked the same block at the same time, but
 they start at different times. So each program starts its walk (a rotation of its blocks) at the
@@ -67,9 +68,9 @@ Batch, query length and key length are dynamic symbols of every kernel, so new l
 the compiled kernels; heads, groups, widths, padded top-k and the tiling are static and key the
 ``functools.lru_cache`` behind :func:`compile_backward`. The tiling has no default here: it
 comes from the caller's ``SparseAttentionConfig``, and :func:`check_backward_config` rejects
-what these kernels cannot run before anything is compiled. Where long inputs run faster with
-another variant of the kernel (:func:`_main_variants`), both are compiled together, so a length
-that crosses from one to the other compiles nothing either.
+what these kernels cannot run before anything is compiled. The fixed-walk and the synced kernel
+of a configuration are compiled together, so a length that crosses from one to the other
+compiles nothing either.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the
@@ -382,7 +383,6 @@ def _build_main(
     dim: int,
     d_v: int,
     topk_padded: int,
-    index_pitch: int,
     block_i: int,
     num_stages: int,
     split_store: int,
@@ -392,12 +392,11 @@ def _build_main(
 ):
     """The dq / dkv kernel (see the module docstring) for a configuration that passed
     :func:`check_backward_config`; ``topk_padded`` is a multiple of ``block_i``, the index slots
-    walked per row, and ``index_pitch >= topk_padded`` the row pitch of the index copies (the
-    slots past ``topk_padded`` are never read). ``synced``: walk the blocks from the start the
-    ``Progress`` counter gives (the module docstring's synchronised walk), else from block 0.
+    per row. ``synced``: walk the blocks from the start the ``Progress`` counter gives (the module
+    docstring's synchronised walk), else from block 0.
 
     Arguments: ``Q`` bf16 ``[B, S, H, D]``, ``KV`` bf16 ``[B, S_kv, G, D]``, ``Out`` / ``dO``
-    bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, index_pitch]`` (the padded
+    bf16 ``[B, S, H, d_v]``, ``Idx`` / ``IdxC`` int32 ``[B, S, G, topk_padded]`` (the padded
     indices and the same clamped into ``[0, S_kv)``), ``Lse2`` / ``Dot`` / ``Delta`` fp32
     ``[B, S, H]`` (log2 lse, ``rowsum(out * dout)``, the delta used for dS), outputs ``dQ`` bf16
     ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
@@ -696,8 +695,8 @@ def _build_main(
         KV: T.Tensor((batch, seq_kv, groups, dim), T.bfloat16),
         Out: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
         dO: T.Tensor((batch, seq, heads, d_v), T.bfloat16),
-        Idx: T.Tensor((batch, seq, groups, index_pitch), T.int32),
-        IdxC: T.Tensor((batch, seq, groups, index_pitch), T.int32),
+        Idx: T.Tensor((batch, seq, groups, topk_padded), T.int32),
+        IdxC: T.Tensor((batch, seq, groups, topk_padded), T.int32),
         Lse2: T.Tensor((batch, seq, heads), T.float32),
         Dot: T.Tensor((batch, seq, heads), T.float32),
         Delta: T.Tensor((batch, seq, heads), T.float32),
@@ -808,7 +807,6 @@ class MainKernel:
     # (q, kv, out, dout, idx, idx_clamped, lse2, rowsum, delta, dq, dkv_acc, delta_fix, fix,
     #  progress, scale, resident)
     kernel: tilelang.JITKernel
-    pitch: int  # index slots per row of the index copies it reads
     synced: bool  # the synchronised walk (module docstring)
     programs_per_sm: int  # resident = this x the GPU's SMs
 
@@ -818,16 +816,15 @@ class BackwardKernels:
     """The compiled kernels of one static configuration (see :func:`compile_backward`)."""
 
     preprocess: tilelang.JITKernel  # (out, dout, rowsum(out * dout))
-    main: MainKernel
-    # The kernel for inputs of `_LONG_INDEX_ROWS` query rows or more (None where `main` serves
-    # every length, see `_main_variants`).
-    main_long: MainKernel | None
+    main: MainKernel  # the fixed walk
+    synced: MainKernel | None  # the synchronised walk (None in deterministic mode)
+    sync_above: int | None  # fp32 dkv bytes past which `synced` runs (`_sync_threshold`)
     topk_padded: int
 
-    def main_for(self, rows: int) -> MainKernel:
-        """The main kernel for an input of ``rows`` query rows (batch x length)."""
-        if self.main_long is not None and rows >= _LONG_INDEX_ROWS:
-            return self.main_long
+    def main_for(self, dkv_bytes: int) -> MainKernel:
+        """The main kernel for an input whose fp32 dkv ``[B, S_kv, G, D]`` takes ``dkv_bytes``."""
+        if self.synced is not None and dkv_bytes > self.sync_above:
+            return self.synced
         return self.main
 
 
@@ -884,9 +881,8 @@ def compile_backward(
 
     Raises ValueError (see :func:`check_backward_config`) before compiling anything the kernels
     cannot run. Threads per program follow the head count (:func:`program_threads`). Batch,
-    query and key lengths are not parameters: the kernels take them at run time. Where
-    :func:`_main_variants` gives long inputs another kernel, it is compiled here too
-    (``main_long``), so that no length compiles anything later.
+    query and key lengths are not parameters: the kernels take them at run time. In default
+    mode the synced kernel is compiled here too, so that no length compiles anything later.
     """
     smem = check_backward_config(
         heads, groups, dim, d_v, block_i, num_stages, split_store, dkv_reduce, deterministic
@@ -894,16 +890,15 @@ def compile_backward(
     topk_padded = round_up(topk, block_i)
     hg = heads // groups
     per_sm = _programs_per_sm(program_threads(hg), smem)
-    plain, long = _main_variants(topk_padded, head_block(hg), deterministic)
+    sync_above = _sync_threshold(head_block(hg), deterministic)
 
-    def main_kernel(pitch: int, synced: bool) -> MainKernel:
+    def main_kernel(synced: bool) -> MainKernel:
         kernel = _compile_main(
             heads,
             groups,
             dim,
             d_v,
             topk_padded,
-            pitch,
             block_i,
             num_stages,
             split_store,
@@ -912,45 +907,33 @@ def compile_backward(
             synced,
             target=target,
         )
-        return MainKernel(kernel, pitch, synced, per_sm)
+        return MainKernel(kernel, synced, per_sm)
 
     return BackwardKernels(
         preprocess=_compile_preprocess(heads, d_v, target),
-        main=main_kernel(*plain),
-        main_long=None if long is None else main_kernel(*long),
+        main=main_kernel(False),
+        synced=None if sync_above is None else main_kernel(True),
+        sync_above=sync_above,
         topk_padded=topk_padded,
     )
 
 
-# Query rows (batch x length) from which `main_long` runs: below, the odd pitch cost 3-4% and
-# the synchronised walk 1-2% at 64 heads 16k (benchmarks/NOTES.md, "The index rows' pitch" and
-# "A synchronised walk").
-_LONG_INDEX_ROWS = 32768
+def _sync_threshold(block_h: int, deterministic: bool) -> int | None:
+    """The fp32 dkv size in bytes past which the synchronised walk runs (None: never).
 
-
-def _main_variants(
-    topk_padded: int, block_h: int, deterministic: bool
-) -> tuple[tuple[int, bool], tuple[int, bool] | None]:
-    """(index pitch in int32 slots, synced) of the main kernel, and of the kernel for inputs of
-    ``_LONG_INDEX_ROWS`` query rows or more (None: the first serves every length).
-
-    Measured on H100s, glm5 (`results/backward_sync_walk_h100.log`,
-    `results/backward_index_pitch_*_h100.log`): the synchronised walk took 8 heads from 218 to
-    110 ms at 64k and from 522-528 to 306-310 at 128k, and 16k from 28.3 to 26.7-27.0; 64 heads
-    (with the odd pitch below) from 190-261 to 184-202 at 64k and from 519-592 to 402-419 at
-    128k, but 16k from 45.4-45.5 to 46.1-46.6. With it, rows of an even multiple of 64 slots
-    at 64-row head blocks move to the next odd multiple (2048 -> 2112: at 64k the plain kernel
-    never ran under 245 ms in 56 calls before the walk was synced, the odd pitch fell into a
-    ~190 ms state in 18 of 28). So: below 64-row head blocks one synced kernel; at 64-row head
-    blocks the plain kernel below the threshold and the synced one, odd-pitched where it
-    applies, above. Deterministic mode keeps the fixed walk (dq's and dsink's bits depend on
-    its order)."""
+    What the walk buys is dkv's residency in L2 (50 MB on Hopper). Measured on H100s
+    (`results/sparse_attention_full_sync_walk_h100.csv` against the fixed walk's
+    `sparse_attention_full_h100.csv`, `results/backward_sync_walk_h100.log`,
+    `results/backward_sync_resident_pitch_h100.log`): below 64-row head blocks the walk took the
+    backward at glm5 8 heads from 218 to 108-111 ms at 64k and from 522-528 to 264-310 at 128k,
+    by 3-5% at 16k (36 MiB of dkv) and by 23% at dsv4.1-flash-r1 8 heads 16k (64 MiB), changed
+    -2 to +1% at 32 MiB, and cost 2-7% at 4k and 8k (9-18 MiB). At 64-row head blocks it cost
+    1-3% at glm5 16k (36 MiB) and gained 8% at 64 MiB (glm5.3-flash-notail 32k), 14% at 72 MiB
+    (glm5 32k) and 20-30% at 128k. Deterministic mode keeps the fixed walk (dq's and dsink's
+    bits depend on its order)."""
     if deterministic:
-        return (topk_padded, False), None
-    if block_h < 64:
-        return (topk_padded, True), None
-    even = topk_padded % 64 == 0 and topk_padded // 64 % 2 == 0
-    return (topk_padded, False), (topk_padded + 64 if even else topk_padded, True)
+        return None
+    return (48 if block_h == 64 else 32) * 1024 * 1024
 
 
 # An SM's registers and shared memory (Hopper: 64 K 32-bit registers, 228 KB of which 1 KB is
@@ -1086,8 +1069,8 @@ def sparse_attention_backward_tilelang(
             deterministic=deterministic,
             target=tilelang_target(device_arch(q.device))["arch"],
         )
-        main = kernels.main_for(b * s)
-        pad = main.pitch - indices.shape[-1]
+        main = kernels.main_for(dkv_acc.numel() * 4)
+        pad = kernels.topk_padded - indices.shape[-1]
         idx = _aligned(F.pad(indices, (0, pad), value=-1) if pad else indices)
         # Padding of any kind gathers row 0 (always in range); the kernel masks it from `idx`.
         idx_c = torch.where((idx >= 0) & (idx < s_kv), idx, 0)
