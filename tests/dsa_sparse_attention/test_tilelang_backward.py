@@ -196,6 +196,8 @@ def test_compiles_for_sm90a(spec):
     # The in-process cache returns the same compiled objects for the same static config.
     again = _compile(spec, kernels.topk_padded)
     assert again.main.kernel is kernels.main.kernel and again.preprocess is kernels.preprocess
+    assert (again.synced is None) == (kernels.synced is None)
+    assert again.synced is None or again.synced.kernel is kernels.synced.kernel
 
 
 def test_synced_kernel_for_sm90a():
@@ -484,16 +486,40 @@ def _run_and_compare(q, kv, dout, idx, attn_sink, dlse, *, tiling=None, sm_scale
     assert bool((dq[empty_heads] == 0).all())
 
 
+# The default mode's two kernels: the test inputs are far under the synced kernel's dkv size
+# threshold, so "synced" lowers it to 0.
+WALKS = ("fixed", "synced")
+
+
+def _force_walk(monkeypatch, walk: str) -> list:
+    """Run the default mode's `walk` kernel whatever the size; returns the list each launch of
+    a synced kernel appends to (it alone takes a walk counter)."""
+    launches = []
+    counter = bw._walk_counter
+
+    def spy(device):
+        launches.append(device)
+        return counter(device)
+
+    monkeypatch.setattr(bw, "_walk_counter", spy)
+    if walk == "synced":
+        monkeypatch.setattr(bw, "_sync_threshold", lambda block_h, det: None if det else 0)
+    return launches
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize("case", range(len(MATRIX)))
-def test_backward_matches_reference(compiled, case):
+def test_backward_matches_reference(compiled, monkeypatch, case, walk):
     heads, groups, dim, topk, tiling = MATRIX[case]
+    launches = _force_walk(monkeypatch, walk)
     s = 64 + 16 * (case % 5)
     q, kv, dout, idx, sink, dlse = _case(
         2, s, 2 * s, heads, groups, dim, topk, sink=case % 2 == 0, dlse=case % 3 == 0,
         padding=PADDINGS[case % len(PADDINGS)], seed=case,
     )  # fmt: skip
     _run_and_compare(q, kv, dout, idx, sink, dlse, tiling=tiling)
+    assert len(launches) == (walk == "synced")
 
 
 @pytest.mark.gpu
@@ -516,16 +542,19 @@ def test_backward_all_rows_empty(compiled):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize("case", range(len(_block_count_cases())))
-def test_backward_block_counts(compiled, case):
+def test_backward_block_counts(compiled, monkeypatch, case, walk):
     """1, stages, stages + 1 and 2 * stages + 1 index blocks for every tiling the table uses
     (a software-pipelined gather once read the wrong stage at stages + 1 blocks)."""
     heads, dim, topk, tiling = _block_count_cases()[case]
+    launches = _force_walk(monkeypatch, walk)
     q, kv, dout, idx, sink, dlse = _case(
         2, 80, 160, heads, 1, dim, topk, sink=True, dlse=case % 2 == 0, padding="mixed",
         seed=100 + case,
     )  # fmt: skip
     _run_and_compare(q, kv, dout, idx, sink, dlse, tiling=tiling)
+    assert len(launches) == (walk == "synced")  # the table's default-mode rows
 
 
 @pytest.mark.gpu
@@ -543,12 +572,17 @@ def test_no_recompile_for_new_lengths(compiled, monkeypatch, heads):
         raise AssertionError("a new length must not compile a new kernel")
 
     monkeypatch.setattr(bw.tilelang, "compile", no_compile)
+    launches = _force_walk(monkeypatch, "fixed")
     monkeypatch.setattr(bw, "_sync_threshold", lambda block_h, deterministic: 500_000)
+    synced = []
     for seed, (b, s, s_kv) in enumerate([(1, 37, 80), (2, 64, 128), (3, 129, 301)]):
         q, kv, dout, idx, sink, dlse = _case(
             b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed
         )
+        before = len(launches)
         _run_and_compare(q, kv, dout, idx, sink, dlse)
+        synced.append(len(launches) > before)
+    assert synced == [False, True, True]
 
 
 @pytest.mark.gpu
@@ -561,24 +595,29 @@ def test_synced_walk_from_any_block(compiled, monkeypatch, heads):
     the first wave start wherever the others are."""
     dim, topk = 576, 100  # 2 blocks of 64 keys at 64 heads, 4 of 32 at 16
     tiling = _row_tiling(heads, dim)
-    monkeypatch.setattr(bw, "_sync_threshold", lambda block_h, deterministic: 0)
     monkeypatch.setattr(bw, "sm_count", lambda device: 1)
+    counter = bw._walk_counter
+    launches = _force_walk(monkeypatch, "synced")
     kernels = bw.compile_backward(heads, 1, dim, D_V, topk, **tiling, target=SM90A)
     main = kernels.main_for(1)
     assert main.synced
     case = _case(2, 96, 192, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=0)
-    counter = bw._walk_counter
     for k in range(kernels.topk_padded // tiling["block_i"]):
-        monkeypatch.setattr(
-            bw, "_walk_counter", lambda device, k=k: counter(device) + k * main.programs_per_sm
-        )
+
+        def preset(device, k=k):
+            launches.append(device)
+            return counter(device) + k * main.programs_per_sm
+
+        monkeypatch.setattr(bw, "_walk_counter", preset)
         _run_and_compare(*case)
-    monkeypatch.setattr(bw, "_walk_counter", counter)
+        assert len(launches) == k + 1
     for seed, (b, s, s_kv) in enumerate([(2, 96, 192), (1, 301, 350)]):
         q, kv, dout, idx, sink, dlse = _case(
             b, s, s_kv, heads, 1, dim, topk, sink=True, dlse=True, padding="mixed", seed=seed
         )
+        launches = _force_walk(monkeypatch, "synced")
         _run_and_compare(q, kv, dout, idx, sink, dlse)
+        assert len(launches) == 1
 
 
 def _kernel_args(q, kv, dout, idx, sink, dlse):
@@ -598,10 +637,14 @@ def _assert_bitwise(runs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_cuda_graph_capture(compiled, deterministic):
+@pytest.mark.parametrize(
+    "deterministic, walk", [(False, "fixed"), (False, "synced"), (True, "fixed")]
+)
+def test_backward_cuda_graph_capture(compiled, monkeypatch, deterministic, walk):
     """No host synchronisation: the whole backward can be captured and replayed (in
-    deterministic mode, bit for bit the eager result, at every replay)."""
+    deterministic mode, bit for bit the eager result, at every replay). The synced kernel's
+    counter is allocated and zeroed inside the graph."""
+    launches = _force_walk(monkeypatch, walk)
     q, kv, dout, idx, sink, dlse = _case(
         2, 64, 128, 16, 1, 576, 640, sink=True, dlse=True, padding="mixed", seed=11
     )
@@ -620,6 +663,7 @@ def test_backward_cuda_graph_capture(compiled, deterministic):
         assert_close(got, want, name=name)
     if deterministic:
         _assert_bitwise([expected, *replays])
+    assert len(launches) == 2 * (walk == "synced")  # the eager call and the captured one
 
 
 @pytest.mark.gpu

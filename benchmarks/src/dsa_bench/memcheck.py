@@ -76,17 +76,27 @@ def attention_case(heads: int, dim: int, topk: int, sink: bool, gen) -> torch.Te
 
 @contextlib.contextmanager
 def rotated_walk():
-    """The default mode's synced kernels at every size, starting past block 0: a resident count
-    of one SM's programs (1 or 2) and the counter preset to 7, so the first wave starts at
-    block 7 or 3 modulo the row's blocks (4 in the cases here: block 3) and the programs after
-    it wherever the others are."""
+    """The default mode's synced kernels at every size (deterministic mode keeps its fixed
+    walk), starting past block 0: a resident count of one SM's programs (1 or 2) and the
+    counter preset to 7, so the first wave starts at block 7 or 3 modulo the row's blocks (4 in
+    the cases here: block 3) and the programs after it wherever the others are; prints how
+    many synced launches there were."""
     counter = tilelang_backward._walk_counter
+    launches = []
+
+    def preset(device):
+        launches.append(device)
+        return counter(device) + 7
+
     with (
-        mock.patch.object(tilelang_backward, "_sync_threshold", lambda block_h, det: 0),
+        mock.patch.object(
+            tilelang_backward, "_sync_threshold", lambda block_h, det: None if det else 0
+        ),
         mock.patch.object(tilelang_backward, "sm_count", lambda device: 1),
-        mock.patch.object(tilelang_backward, "_walk_counter", lambda device: counter(device) + 7),
+        mock.patch.object(tilelang_backward, "_walk_counter", preset),
     ):
         yield
+    print(f"synced backward launches: {len(launches)}")
 
 
 def main() -> None:

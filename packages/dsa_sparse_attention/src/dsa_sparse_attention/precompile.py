@@ -52,8 +52,11 @@ def precompile(
         max_workers: parallel builds.
 
     Returns:
-        The number of kernels built (or found in the cache). Shapes whose config runs no
-        TileLang kernel on ``arch`` build nothing, and so does any arch other than Hopper.
+        The number of build jobs (each built or found in the cache): one per forward, per
+        probs kernel and per backward, whose job builds the preprocess kernel and the main
+        kernel, in default mode both the fixed-walk and the synced one. Shapes whose config
+        runs no TileLang kernel on ``arch`` build nothing, and so does any arch other than
+        Hopper.
     """
     from dsa_sparse_attention._probs import tilelang_runs
     from dsa_sparse_attention._tilelang import (

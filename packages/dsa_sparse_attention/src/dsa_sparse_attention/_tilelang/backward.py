@@ -402,9 +402,9 @@ def _build_main(
     ``[B, S, H, D]``, ``dKV`` ``[B, S_kv, G, D]`` (added to; fp32, or int64 fixed point in
     deterministic mode) and ``DeltaFix`` fp32 ``[B, S, H]``, then ``Fix`` fp32 (the fixed-point
     scale ``2**k_d`` of each column, ``[D]``, in deterministic mode; ``[1]`` and unread
-    otherwise), ``Progress`` int32 ``[1]`` (zero at launch: key blocks finished by all programs;
-    read and written only when ``synced``), ``sm_scale`` and ``resident`` (programs the GPU
-    runs at once).
+    otherwise), ``Progress`` int32 ``[1]`` (key blocks finished by all programs, from
+    :func:`_walk_counter`: zero at launch, preset by tests; read and written only when
+    ``synced``), ``sm_scale`` and ``resident`` (programs the GPU runs at once).
     """
     hg = heads // groups
     block_h = head_block(hg)
@@ -925,12 +925,13 @@ def _sync_threshold(block_h: int, deterministic: bool) -> int | None:
     (`results/sparse_attention_full_sync_walk_h100.csv` against the fixed walk's
     `sparse_attention_full_h100.csv`, `results/backward_sync_walk_h100.log`,
     `results/backward_sync_resident_pitch_h100.log`): below 64-row head blocks the walk took the
-    backward at glm5 8 heads from 218 to 108-111 ms at 64k and from 522-528 to 264-310 at 128k,
-    by 3-5% at 16k (36 MiB of dkv) and by 23% at dsv4.1-flash-r1 8 heads 16k (64 MiB), changed
-    -2 to +1% at 32 MiB, and cost 2-7% at 4k and 8k (9-18 MiB). At 64-row head blocks it cost
-    1-3% at glm5 16k (36 MiB) and gained 8% at 64 MiB (glm5.3-flash-notail 32k), 14% at 72 MiB
-    (glm5 32k) and 20-30% at 128k. Deterministic mode keeps the fixed walk (dq's and dsink's
-    bits depend on its order)."""
+    backward at glm5 8 heads from 218 to 108-111 ms at 64k and from 522-528 to 262-310 at 128k,
+    cut it by 3-5% at 16k (36 MiB of dkv) and by 23% at dsv4.1-flash-r1 8 heads 16k (64 MiB),
+    changed it by -2 to +1% at 32 MiB, and cost 1-8% at 4k and 8k (9-18 MiB; 11-25% on the 4k dsv4.1
+    rows, where the unchanged deterministic rows moved 7-10% between the runs). At 64-row head
+    blocks it cost 1-3% at glm5 16k (36 MiB) and gained 8% at 64 MiB (glm5.3-flash-notail 32k),
+    14% at 72 MiB (glm5 32k) and 10-32% at 128k. Deterministic mode keeps the fixed walk (dq's
+    and dsink's bits depend on its order)."""
     if deterministic:
         return None
     return (48 if block_h == 64 else 32) * 1024 * 1024
