@@ -492,8 +492,9 @@ WALKS = ("fixed", "synced")
 
 
 def _force_walk(monkeypatch, walk: str) -> list:
-    """Run the default mode's `walk` kernel whatever the size; returns the list each launch of
-    a synced kernel appends to (it alone takes a walk counter)."""
+    """Run the default mode's `walk` kernel: "synced" lowers the threshold to 0, "fixed" leaves
+    it (the test inputs are far under it). Returns the list each launch of a synced kernel
+    appends to (it alone takes a walk counter), so a test can check which kernel ran."""
     launches = []
     counter = bw._walk_counter
 
