@@ -84,7 +84,14 @@ import tilelang.language as T
 import torch
 import torch.nn.functional as F
 from kernel_common import device_arch, sm_count, tilelang_target
-from kernel_common.constants import HOPPER_SMEM_PER_BLOCK, LOG2E, round_up
+from kernel_common.constants import (
+    HOPPER_SMEM_PER_BLOCK,
+    HOPPER_SMEM_PER_SM,
+    LOG2E,
+    MAX_REGISTERS_PER_THREAD,
+    SM_REGISTERS,
+    round_up,
+)
 
 from dsa_sparse_attention._tilelang._build import compile_kernel
 from dsa_sparse_attention.config import DKV_REDUCE_MODES
@@ -937,19 +944,14 @@ def _sync_threshold(block_h: int, deterministic: bool) -> int | None:
     return (48 if block_h == 64 else 32) * 1024 * 1024
 
 
-# An SM's registers and shared memory (Hopper: 64 K 32-bit registers, 228 KB of which 1 KB is
-# reserved per program).
-_SM_REGISTERS = 65536
-_SM_SHARED_BYTES = 228 * 1024
-
-
 def _programs_per_sm(threads: int, smem: int) -> int:
     """Programs of the main kernel one SM runs at once: the synchronised walk's ``resident``
     count is this times the SMs. The kernels are compiled for one program per SM at least, so
     ptxas may give each thread up to 255 registers and the 256-thread programs take a whole
     SM's registers; the 128-thread ones take 2 (the 16-head rows use 241 registers a thread,
     and ncu counts two programs per SM), fewer if their shared memory does not fit twice."""
-    return max(1, min(_SM_REGISTERS // (threads * 255), _SM_SHARED_BYTES // (smem + 1024)))
+    by_registers = SM_REGISTERS // (threads * MAX_REGISTERS_PER_THREAD)
+    return max(1, min(by_registers, HOPPER_SMEM_PER_SM // (smem + 1024)))
 
 
 def _walk_counter(device: torch.device) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from kernel_common import next_pow2, sm_count
+from kernel_common.constants import MAX_REGISTERS_PER_THREAD, SM_REGISTERS
 
 from topk._triton.ranged_topk import _ranged_topk_kernel
 from topk.config import TopkConfig
@@ -55,9 +56,11 @@ class TopkLaunch:
 
 
 def _max_registers(launch: TopkLaunch) -> int:
-    """Registers per thread that let ``programs_per_sm`` programs share an SM (65536 registers
-    per SM on sm_80 / sm_90), at most 255 (the hardware limit)."""
-    return min(255, 65536 // (32 * launch.num_warps * launch.programs_per_sm))
+    """Registers per thread that let ``programs_per_sm`` programs share an SM, at most the
+    hardware limit."""
+    return min(
+        MAX_REGISTERS_PER_THREAD, SM_REGISTERS // (32 * launch.num_warps * launch.programs_per_sm)
+    )
 
 
 def _list_size(n: int, k: int, sample: int) -> int:
