@@ -1,0 +1,132 @@
+"""A scratch few-head forward gathered through the copy engine, against the library's forward.
+
+``small_head_forward.cu`` (built here for sm_90a) is a forward for <= 16 heads of one kv group
+whose K/V rows arrive by one ``cp.async.bulk`` each and feed ``mma.sync`` through ``ldmatrix``
+(see its header). It is not a library kernel: this module checks it against the fp32 torch
+reference (padding, out-of-range indices, a ragged last block), then times every launch it has
+beside the library's default forward on the benchmark's indices, in one process.
+"""
+
+import ctypes
+import functools
+import itertools
+import math
+from pathlib import Path
+
+import torch
+from dsa_sparse_attention import sparse_attention
+from dsa_sparse_attention.reference import sparse_attention_forward_reference
+from kernel_common.constants import LOG2E
+from kernel_common.testing import rel_diff
+
+from dsa_bench import common
+from dsa_bench.models import MODELS
+from dsa_bench.sparse_attention import benchmark_indices
+
+LAUNCHES = ((16, 2), (16, 4), (32, 2), (32, 3), (64, 2))  # (keys per block, stages)
+CASES = (  # (model, heads)
+    ("glm5", 8),
+    ("glm5", 16),
+    ("glm5.3-flash-notail", 8),
+    ("dsv4.1-flash-r1", 8),
+)
+COLUMNS = ("model", "heads", "tokens", "method", "block", "stages", "ms", "rd_out", "rd_lse")
+
+
+def run(lib, q, kv, idx, *, block: int, stages: int, scale: float) -> tuple:
+    """``(out bf16 [S, H, 512], lse fp32 [S, H])`` of the scratch kernel; q ``[S, H, D]``, kv
+    ``[S_kv, D]``, idx int32 ``[S, topk]``."""
+    s, h, d = q.shape
+    out = torch.empty(s, h, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(s, h, dtype=torch.float32, device=q.device)
+    ptr = ctypes.c_void_p
+    stream = ptr(torch.cuda.current_stream(q.device).cuda_stream)
+    args = (d, block, stages, ptr(q.data_ptr()), ptr(kv.data_ptr()), ptr(idx.data_ptr()))
+    args += (ptr(out.data_ptr()), ptr(lse.data_ptr()), s, h, kv.shape[0], idx.shape[1])
+    code = lib.small_head_forward(*args, ctypes.c_float(scale * LOG2E), stream)
+    if code:
+        raise RuntimeError(f"small_head_forward({d=}, {block=}, {stages=}) returned {code}")
+    return out, lse
+
+
+def check(lib, device) -> None:
+    """Every launch against the fp32 reference: -1 tails and holes, indices >= S_kv and < -1,
+    a row with nothing valid, topk not a multiple of any block, 1 to 16 heads."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    for d, h in ((576, 16), (576, 8), (512, 5), (512, 1)):
+        s, s_kv, topk = 96, 300, 136
+        q = torch.randn(s, h, d, device=device, generator=gen).bfloat16()
+        kv = torch.randn(s_kv, d, device=device, generator=gen).bfloat16()
+        idx = torch.randint(0, s_kv, (s, topk), device=device, generator=gen, dtype=torch.int32)
+        idx[:, -17:] = -1
+        idx[1::7, 3:40] = -1
+        idx[2::9, 50] = s_kv + 5
+        idx[3::9, 60] = -7
+        idx[5] = -1
+        legal = torch.where((idx >= 0) & (idx < s_kv), idx, -1)
+        scale = 1 / math.sqrt(d)
+        want_out, want_lse = sparse_attention_forward_reference(
+            q[None], kv[None, :, None], legal[None, :, None], scale, 512, None
+        )
+        for block, stages in LAUNCHES:
+            out, lse = run(lib, q, kv, idx, block=block, stages=stages, scale=scale)
+            rd_out = rel_diff(out.float(), want_out[0].float())
+            finite = torch.isfinite(want_lse[0])
+            rd_lse = rel_diff(lse[finite], want_lse[0][finite])
+            ok = rd_out < 1e-5 and rd_lse < 1e-5 and torch.equal(finite, torch.isfinite(lse))
+            print(f"check {d=} {h=} {block=} {stages=}: {rd_out=:.2e} {rd_lse=:.2e}", flush=True)
+            if not ok:
+                raise AssertionError(f"small_head_forward wrong at {d=} {h=} {block=} {stages=}")
+
+
+def main(argv=None) -> None:
+    parser = common.ArgumentParser(
+        prog="python -m dsa_bench.small_head_forward", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--tokens", type=common.comma_list(common.positive_int), default=[16384])
+    parser.add_argument("--rep", type=common.positive_int, default=10)
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args(argv)
+    common.require_cuda("dsa_bench.small_head_forward")
+    device = torch.device("cuda")
+    lib = common.cuda_library("small_head_forward.cu")
+    if isinstance(lib, str):
+        raise SystemExit(f"small_head_forward: {lib}")
+    check(lib, device)
+    rows = []
+    for (name, heads), tokens in itertools.product(CASES, args.tokens):
+        model = MODELS[name]
+        gen = torch.Generator(device=device).manual_seed(0)
+        s_kv = tokens * model.kv_ratio
+        q = torch.randn(1, tokens, heads, model.d_qk, device=device, generator=gen).bfloat16()
+        kv = torch.randn(1, s_kv, 1, model.d_qk, device=device, generator=gen).bfloat16()
+        idx = benchmark_indices(tokens, model.kv_ratio, model.topk, device, gen)
+        scale = 1 / math.sqrt(model.d_qk)
+
+        def library(q=q, kv=kv, idx=idx, scale=scale):
+            with torch.no_grad():
+                return sparse_attention(q, kv, idx, sm_scale=scale, d_v=512, return_lse=True)
+
+        want_out, want_lse = library()
+        base = dict(model=name, heads=heads, tokens=tokens)
+        ms = common.time_ms(library, warmup=2, rep=args.rep, device=device)
+        rows.append(base | dict(method="library", ms=round(ms, 3)))
+        print(rows[-1], flush=True)
+        for block, stages in LAUNCHES:
+            fn = functools.partial(
+                run, lib, q[0], kv[0, :, 0], idx[0, :, 0].contiguous(),
+                block=block, stages=stages, scale=scale,
+            )  # fmt: skip
+            out, lse = fn()
+            ms = common.time_ms(fn, warmup=2, rep=args.rep, device=device)
+            rd_out = rel_diff(out.float(), want_out[0].float())
+            rd_lse = rel_diff(lse, want_lse[0])
+            row = dict(method="bulk", block=block, stages=stages, ms=round(ms, 3))
+            rows.append(base | row | dict(rd_out=f"{rd_out:.1e}", rd_lse=f"{rd_lse:.1e}"))
+            print(rows[-1], flush=True)
+    common.print_table(rows, COLUMNS)
+    print(f"wrote {common.write_csv(rows, args.out / 'small_head_forward.csv', COLUMNS)}")
+
+
+if __name__ == "__main__":
+    main()
