@@ -307,7 +307,7 @@ extern "C" int small_head_forward(int dim, int block, int stages, const void* q,
   if (dim == DD && block == BB && stages == NN) \
     return launch<DD, BB, NN>(q, kv, idx, out, lse, s, heads, s_kv, topk, scale_log2, st);
 #define DSA_DIM(DD) \
-  DSA_CASE(DD, 16, 2) DSA_CASE(DD, 16, 4) DSA_CASE(DD, 32, 2) DSA_CASE(DD, 32, 3) DSA_CASE(DD, 64, 2)
+  DSA_CASE(DD, 16, 2) DSA_CASE(DD, 16, 3) DSA_CASE(DD, 16, 4) DSA_CASE(DD, 32, 2) DSA_CASE(DD, 32, 3) DSA_CASE(DD, 64, 2)
   DSA_DIM(512) DSA_DIM(576)
 #undef DSA_DIM
 #undef DSA_CASE

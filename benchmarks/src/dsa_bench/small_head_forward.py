@@ -23,7 +23,7 @@ from dsa_bench import common
 from dsa_bench.models import MODELS
 from dsa_bench.sparse_attention import benchmark_indices
 
-LAUNCHES = ((16, 2), (16, 4), (32, 2), (32, 3), (64, 2))  # (keys per block, stages)
+LAUNCHES = ((16, 2), (16, 3), (16, 4), (32, 2), (32, 3), (64, 2))  # (keys per block, stages)
 CASES = (  # (model, heads)
     ("glm5", 8),
     ("glm5", 16),
