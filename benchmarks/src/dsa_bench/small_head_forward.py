@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     parser = common.ArgumentParser(
         prog="python -m dsa_bench.small_head_forward", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--tokens", type=common.comma_list(common.positive_int), default=[16384])
+    parser.add_argument("--tokens", type=common.comma_list(common.positive_int), default=[4096, 16384])
     parser.add_argument("--rep", type=common.positive_int, default=10)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
