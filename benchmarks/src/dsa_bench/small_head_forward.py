@@ -2,11 +2,14 @@
 
 ``small_head_forward.cu`` (built here for sm_90a) is a forward for <= 16 heads of one kv group
 whose K/V rows arrive by one ``cp.async.bulk`` each and feed ``mma.sync`` through ``ldmatrix``
-(see its header). It is not a library kernel: this module checks it against the fp32 torch
-reference (padding, out-of-range indices, a ragged last block), then times every launch it has
-beside the library's default forward on the benchmark's indices, in one process.
+(see its header); ``small_head_forward_tl`` is the same design as a TileLang kernel with the
+library's whole forward contract. Neither is a library kernel yet: this module checks both
+against the fp32 torch reference (padding, out-of-range indices, a ragged last block; groups,
+batch and a sink for the TileLang one), then times every launch of both beside the library's
+default forward on the benchmark's indices, in one process.
 """
 
+import concurrent.futures
 import ctypes
 import functools
 import itertools
@@ -20,10 +23,11 @@ from kernel_common.constants import LOG2E
 from kernel_common.testing import rel_diff
 
 from dsa_bench import common
+from dsa_bench import small_head_forward_tl as tl
 from dsa_bench.models import MODELS
 from dsa_bench.sparse_attention import benchmark_indices
 
-LAUNCHES = ((16, 2), (16, 3), (16, 4), (32, 2), (32, 3), (64, 2))  # (keys per block, stages)
+LAUNCHES = tl.LAUNCHES  # (keys per block, stages): the same in both kernels
 CASES = (  # (model, heads)
     ("glm5", 8),
     ("glm5", 16),
@@ -49,41 +53,72 @@ def run(lib, q, kv, idx, *, block: int, stages: int, scale: float) -> tuple:
     return out, lse
 
 
+def _case(device, gen, b, s, s_kv, h, g, d, topk, sink):
+    """Inputs with every kind of padding: -1 tails and holes, indices >= S_kv and < -1, a row
+    with nothing valid; topk not a multiple of any block (a ragged last block)."""
+    q = torch.randn(b, s, h, d, device=device, generator=gen).bfloat16()
+    kv = torch.randn(b, s_kv, g, d, device=device, generator=gen).bfloat16()
+    idx = torch.randint(0, s_kv, (b, s, g, topk), device=device, generator=gen, dtype=torch.int32)
+    idx[..., -17:] = -1
+    idx[:, 1::7, :, 3:40] = -1
+    idx[:, 2::9, :, 50] = s_kv + 5
+    idx[:, 3::9, :, 60] = -7
+    idx[:, 5] = -1
+    snk = torch.randn(h, device=device, generator=gen) if sink else None
+    return q, kv, idx, snk
+
+
+def _compare(what, out, lse, want_out, want_lse) -> None:
+    finite = torch.isfinite(want_lse)
+    rd_out = rel_diff(out.float(), want_out.float())
+    rd_lse = rel_diff(lse[finite], want_lse[finite])
+    print(f"check {what}: {rd_out=:.2e} {rd_lse=:.2e}", flush=True)
+    if not (rd_out < 1e-5 and rd_lse < 1e-5 and torch.equal(finite, torch.isfinite(lse))):
+        raise AssertionError(f"small_head_forward wrong: {what}")
+
+
 def check(lib, device) -> None:
-    """Every launch against the fp32 reference: -1 tails and holes, indices >= S_kv and < -1,
-    a row with nothing valid, topk not a multiple of any block, 1 to 16 heads."""
+    """Both kernels, every launch, against the fp32 reference (``_case``'s padding): the CUDA
+    one at B = G = 1 without a sink, 1 to 16 heads, D 512 and 576; the TileLang one also with
+    batch 2, two kv groups and a sink."""
     gen = torch.Generator(device=device).manual_seed(1)
-    for d, h in ((576, 16), (576, 8), (512, 5), (512, 1)):
-        s, s_kv, topk = 96, 300, 136
-        q = torch.randn(s, h, d, device=device, generator=gen).bfloat16()
-        kv = torch.randn(s_kv, d, device=device, generator=gen).bfloat16()
-        idx = torch.randint(0, s_kv, (s, topk), device=device, generator=gen, dtype=torch.int32)
-        idx[:, -17:] = -1
-        idx[1::7, 3:40] = -1
-        idx[2::9, 50] = s_kv + 5
-        idx[3::9, 60] = -7
-        idx[5] = -1
+    shapes = [(1, 16, 1, 576, False), (1, 8, 1, 576, False), (1, 5, 1, 512, False)]
+    shapes += [(1, 1, 1, 512, False), (2, 16, 2, 576, True), (1, 12, 1, 512, True)]
+    for b, h, g, d, sink in shapes:
+        s_len, s_kv, topk = 96, 300, 136
+        q, kv, idx, snk = _case(device, gen, b, s_len, s_kv, h, g, d, topk, sink)
         legal = torch.where((idx >= 0) & (idx < s_kv), idx, -1)
         scale = 1 / math.sqrt(d)
-        want_out, want_lse = sparse_attention_forward_reference(
-            q[None], kv[None, :, None], legal[None, :, None], scale, 512, None
-        )
+        want_out, want_lse = sparse_attention_forward_reference(q, kv, legal, scale, 512, snk)
         for block, stages in LAUNCHES:
-            out, lse = run(lib, q, kv, idx, block=block, stages=stages, scale=scale)
-            rd_out = rel_diff(out.float(), want_out[0].float())
-            finite = torch.isfinite(want_lse[0])
-            rd_lse = rel_diff(lse[finite], want_lse[0][finite])
-            ok = rd_out < 1e-5 and rd_lse < 1e-5 and torch.equal(finite, torch.isfinite(lse))
-            print(f"check {d=} {h=} {block=} {stages=}: {rd_out=:.2e} {rd_lse=:.2e}", flush=True)
-            if not ok:
-                raise AssertionError(f"small_head_forward wrong at {d=} {h=} {block=} {stages=}")
+            what = f"{b=} {h=} {g=} {d=} {sink=} {block=} {stages=}"
+            out, lse2 = tl.few_head_forward(q, kv, idx, snk, scale, 512, block=block, stages=stages)
+            _compare("tilelang " + what, out, lse2 * math.log(2), want_out, want_lse)
+            if b == 1 and g == 1 and not sink:
+                flat = (q[0], kv[0, :, 0], idx[0, :, 0].contiguous())
+                out, lse = run(lib, *flat, block=block, stages=stages, scale=scale)
+                _compare("cuda " + what, out[None], lse[None], want_out, want_lse)
+
+
+def _build_all() -> None:
+    """Compile every TileLang kernel this module runs, in threads (minutes one by one)."""
+    jobs = [(16, 1, 576, False), (8, 1, 576, False), (5, 1, 512, False), (1, 1, 512, False)]
+    jobs += [(32, 2, 576, True), (12, 1, 512, True)]
+    jobs += [(heads, 1, MODELS[name].d_qk, False) for name, heads in CASES]
+    specs = {
+        (h, g, d, 512, sink, *launch, "sm_90a") for h, g, d, sink in jobs for launch in LAUNCHES
+    }
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda spec: tl.compile_few_head_forward(*spec), sorted(specs)))
 
 
 def main(argv=None) -> None:
     parser = common.ArgumentParser(
         prog="python -m dsa_bench.small_head_forward", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--tokens", type=common.comma_list(common.positive_int), default=[4096, 16384])
+    parser.add_argument(
+        "--tokens", type=common.comma_list(common.positive_int), default=[4096, 16384]
+    )
     parser.add_argument("--rep", type=common.positive_int, default=10)
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -92,6 +127,7 @@ def main(argv=None) -> None:
     lib = common.cuda_library("small_head_forward.cu")
     if isinstance(lib, str):
         raise SystemExit(f"small_head_forward: {lib}")
+    _build_all()
     check(lib, device)
     rows = []
     for (name, heads), tokens in itertools.product(CASES, args.tokens):
@@ -112,16 +148,23 @@ def main(argv=None) -> None:
         ms = common.time_ms(library, warmup=2, rep=args.rep, device=device)
         rows.append(base | dict(method="library", ms=round(ms, 3)))
         print(rows[-1], flush=True)
-        for block, stages in LAUNCHES:
-            fn = functools.partial(
-                run, lib, q[0], kv[0, :, 0], idx[0, :, 0].contiguous(),
-                block=block, stages=stages, scale=scale,
-            )  # fmt: skip
+        for (block, stages), method in itertools.product(LAUNCHES, ("cuda", "tilelang")):
+            if method == "cuda":
+                fn = functools.partial(
+                    run, lib, q[0], kv[0, :, 0], idx[0, :, 0].contiguous(),
+                    block=block, stages=stages, scale=scale,
+                )  # fmt: skip
+            else:
+                fn = functools.partial(
+                    tl.few_head_forward, q, kv, idx, None, scale, 512, block=block, stages=stages
+                )
             out, lse = fn()
+            if method == "tilelang":
+                lse = lse * math.log(2)  # log2 units, as the library's kernels
             ms = common.time_ms(fn, warmup=2, rep=args.rep, device=device)
-            rd_out = rel_diff(out.float(), want_out[0].float())
-            rd_lse = rel_diff(lse, want_lse[0])
-            row = dict(method="bulk", block=block, stages=stages, ms=round(ms, 3))
+            rd_out = rel_diff(out.reshape(want_out.shape).float(), want_out.float())
+            rd_lse = rel_diff(lse.reshape(want_lse.shape), want_lse)
+            row = dict(method=method, block=block, stages=stages, ms=round(ms, 3))
             rows.append(base | row | dict(rd_out=f"{rd_out:.1e}", rd_lse=f"{rd_lse:.1e}"))
             print(rows[-1], flush=True)
     common.print_table(rows, COLUMNS)
