@@ -104,19 +104,24 @@ __global__ void __launch_bounds__(128) small_head_forward_kernel(
   }
   __syncthreads();
 
-  auto issue = [&](int j) {  // warp 0: block j into stage j % NST
-    const int s = j % NST;
-    const uint32_t bar = smem_addr(&bars[s]);
-    int rows[MW];
-    uint32_t words[MW];
-    int valid = 0;
+  // Warp 0 loads a block's indices (lane l: slots l, l + 32, ...; -1 where invalid) one block
+  // before it issues the copies, so the index loads are not on the path between two barriers.
+  auto load_rows = [&](int j, int (&rows)[MW]) {
 #pragma unroll
     for (int w = 0; w < MW; ++w) {
       const int k = w * 32 + lane, col = j * BK + k;
       const int r = (k < BK && col < topk) ? __ldg(row_idx + col) : -1;
-      const bool ok = r >= 0 && r < s_kv;
-      words[w] = __ballot_sync(0xffffffffu, ok);
-      rows[w] = ok ? r : -1;
+      rows[w] = (r >= 0 && r < s_kv) ? r : -1;
+    }
+  };
+  auto issue = [&](int j, const int (&rows)[MW]) {  // warp 0: block j into stage j % NST
+    const int s = j % NST;
+    const uint32_t bar = smem_addr(&bars[s]);
+    uint32_t words[MW];
+    int valid = 0;
+#pragma unroll
+    for (int w = 0; w < MW; ++w) {
+      words[w] = __ballot_sync(0xffffffffu, rows[w] >= 0);
       valid += __popc(words[w]);
     }
     // The stage was last read through the generic proxy (ldmatrix); the copy engine writes it next.
@@ -140,8 +145,13 @@ __global__ void __launch_bounds__(128) small_head_forward_kernel(
     }
   };
 
+  int next_rows[MW];  // warp 0: the indices of the next block to issue, block NST - 1 + j at step j
   if (warp == 0) {
-    for (int j = 0; j < NST && j < blocks; ++j) issue(j);
+    for (int j = 0; j < NST && j < blocks; ++j) {
+      load_rows(j, next_rows);
+      issue(j, next_rows);
+    }
+    if (NST < blocks) load_rows(NST, next_rows);
   }
 
   uint32_t qa[KS][4];
@@ -189,7 +199,10 @@ __global__ void __launch_bounds__(128) small_head_forward_kernel(
     for (int t = 0; t < NT; ++t) part[(warp * NT + t) * 32 + lane] = make_float4(sc[t][0], sc[t][1], sc[t][2], sc[t][3]);
     asm volatile("bar.sync 1, 128;" ::: "memory");
     // Every warp is past block j - 1: its stage is free.
-    if (warp == 0 && j >= 1 && j - 1 + NST < blocks) issue(j - 1 + NST);
+    if (warp == 0 && j >= 1 && j - 1 + NST < blocks) {
+      issue(j - 1 + NST, next_rows);
+      if (j + NST < blocks) load_rows(j + NST, next_rows);  // lands while this block computes
+    }
     // The full S, summed in warp order by every warp: the same bits everywhere.
 #pragma unroll
     for (int t = 0; t < NT; ++t) {

@@ -76,31 +76,38 @@ __device__ __forceinline__ void dsa_mbar_wait(uint64_t* bar, int parity) {
 __device__ __forceinline__ void dsa_fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Warp 0: the rows of index slots [col0, col0 + BK) of `idx_row` (valid: in [0, s_kv) and
-// below topk) into stage `slot` of `stages` (rows `pitch` elements apart), one bulk copy of
-// `row_elems` bf16 each, completing on bars[slot]; the block's validity bits into masks[slot]
-// (lane 0 stores them before its arrival, so every thread that waits on the barrier sees them).
-// Invalid rows are not copied. (The stage is found here from the slot: TileLang's storage
-// rewrite fails on an address_of at a run-time offset into the 64-key stages.)
+// Warp 0, lane l: the key rows of index slots col0 + l, col0 + l + 32, ... of block [col0,
+// col0 + BK) into rows[], -1 where invalid (outside [0, s_kv) or past topk). Loaded one block
+// before the copies are issued, so the index loads are off the path between two barriers.
 template <int BK>
-__device__ __forceinline__ void dsa_issue_block(const int* idx_row, int col0, int topk, int s_kv,
-                                                const void* kv, long long kv_stride, int row_elems,
-                                                void* stages, int pitch, unsigned* masks,
-                                                uint64_t* bars, int slot) {
+__device__ __forceinline__ void dsa_load_rows(const int* idx_row, int col0, int topk, int s_kv,
+                                              int* rows) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int w = 0; w < (BK + 31) / 32; ++w) {
+    const int k = w * 32 + lane, col = col0 + k;
+    const int r = (k < BK && col < topk) ? __ldg(idx_row + col) : -1;
+    rows[w] = (r >= 0 && r < s_kv) ? r : -1;
+  }
+}
+// Warp 0: the valid rows[] into stage `slot` of `stages` (rows `pitch` elements apart), one
+// bulk copy of `row_elems` bf16 each, completing on bars[slot]; the block's validity bits into
+// masks[slot] (lane 0 stores them before its arrival, so every thread that waits on the barrier
+// sees them). Invalid rows are not copied. (The stage is found here from the slot: TileLang's
+// storage rewrite fails on an address_of at a run-time offset into the 64-key stages.)
+template <int BK>
+__device__ __forceinline__ void dsa_issue_rows(const int* rows, const void* kv, long long kv_stride,
+                                               int row_elems, void* stages, int pitch,
+                                               unsigned* masks, uint64_t* bars, int slot) {
+  constexpr int MW = (BK + 31) / 32;
   void* stage = static_cast<char*>(stages) + slot * BK * pitch * 2;
   uint64_t* bar = bars + slot;
-  constexpr int MW = (BK + 31) / 32;
   const int lane = threadIdx.x & 31;
-  int rows[MW];
   unsigned words[MW];
   int valid = 0;
 #pragma unroll
   for (int w = 0; w < MW; ++w) {
-    const int k = w * 32 + lane, col = col0 + k;
-    const int r = (k < BK && col < topk) ? __ldg(idx_row + col) : -1;
-    const bool ok = r >= 0 && r < s_kv;
-    words[w] = __ballot_sync(0xffffffffu, ok);
-    rows[w] = ok ? r : -1;
+    words[w] = __ballot_sync(0xffffffffu, rows[w] >= 0);
     valid += __popc(words[w]);
   }
   dsa_fence_proxy_async();  // the stage was last read through the generic proxy (ldmatrix)
@@ -149,15 +156,25 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
     batch, seq, seq_kv, topk = T.dynamic("batch, seq, seq_kv, topk")
 
     @T.macro
-    def issue(Indices, KV, ks, masks, bars, bb, bs, bg, j):
-        """Warp 0: block j's rows into stage j % stages (``dsa_issue_block``)."""
+    def load_rows(Indices, rows, bb, bs, bg, j):
+        """Warp 0: block j's key rows into ``rows`` (``dsa_load_rows``)."""
         T.call_extern(
             "handle",
-            f"dsa_issue_block<{block}>",
+            f"dsa_load_rows<{block}>",
             T.address_of(Indices[bb, bs, bg, 0]),
             j * block,
             topk,
             seq_kv,
+            T.address_of(rows[0]),
+        )
+
+    @T.macro
+    def issue(KV, ks, masks, bars, rows, bb, bg, j):
+        """Warp 0: block j's rows into stage j % stages (``dsa_issue_rows``)."""
+        T.call_extern(
+            "handle",
+            f"dsa_issue_rows<{block}>",
+            T.address_of(rows[0]),
             T.address_of(KV[bb, 0, bg, 0]),
             groups * dim,
             dim,
@@ -196,6 +213,7 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             tot = T.alloc_local([2], f32)
             lse2 = T.alloc_local([1], f32)
             mword = T.alloc_local([mw], "int32")
+            rows = T.alloc_local([mw], "int32")  # warp 0: the next block to issue
             tx = T.get_thread_binding()
             warp = tx // 32
             lane = tx % 32
@@ -228,7 +246,10 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             if warp == 0:
                 for j in T.serial(stages):
                     if j < n_blocks:
-                        issue(Indices, KV, ks, masks, bars, bb, bs, bg, j)
+                        load_rows(Indices, rows, bb, bs, bg, j)
+                        issue(KV, ks, masks, bars, rows, bb, bg, j)
+                if stages < n_blocks:
+                    load_rows(Indices, rows, bb, bs, bg, stages)
             for k in T.unroll(ks_w):
                 col = (warp * ks_w + k) * 16 + (lane // 16) * 8
                 T.call_extern(
@@ -281,7 +302,9 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                 T.sync_threads()
                 # Every warp is past block j - 1: its stage is free.
                 if (warp == 0) & (j >= 1) & (j - 1 + stages < n_blocks):
-                    issue(Indices, KV, ks, masks, bars, bb, bs, bg, j - 1 + stages)
+                    issue(KV, ks, masks, bars, rows, bb, bg, j - 1 + stages)
+                    if j + stages < n_blocks:  # lands while this block computes
+                        load_rows(Indices, rows, bb, bs, bg, j + stages)
                 # The full S, summed in warp order by every warp: the same bits in all four.
                 for t in T.unroll(nt):
                     for i in T.unroll(4):
@@ -400,11 +423,14 @@ def few_head_forward(
     arguments (q ``[B, S, H, D]``, kv ``[B, S_kv, G, D]``, indices int32 ``[B, S, G, topk]``,
     sink fp32 ``[H]`` or None); S_kv >= 1."""
     b, s, h, d = q.shape
+    q, kv = q.contiguous(), kv.contiguous()
+    if q.data_ptr() % 16 or kv.data_ptr() % 16:
+        raise ValueError("q and kv must start 16-byte aligned (uint4 loads, bulk copies)")
     kernel = compile_few_head_forward(
         h, kv.shape[2], d, d_v, sink is not None, block, stages, "sm_90a"
     )
     out = torch.empty(b, s, h, d_v, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
     sink_arg = sink.contiguous() if sink is not None else lse2.new_empty(h)
-    kernel(q.contiguous(), kv.contiguous(), indices.contiguous(), sink_arg, out, lse2, sm_scale)
+    kernel(q, kv, indices.contiguous(), sink_arg, out, lse2, sm_scale)
     return out, lse2
