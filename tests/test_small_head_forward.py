@@ -27,7 +27,7 @@ from dsa_bench.common import cuda_library
 def test_tilelang_kernel_compiles_for_sm90a(heads, groups, dim, sink, launch):
     kernel = tl.compile_few_head_forward(heads, groups, dim, 512, sink, *launch, "sm_90a")
     source = kernel.get_kernel_source()
-    assert f"dsa_issue_block<{launch[0]}>" in source  # the bulk-copy gather
+    assert f"dsa_issue_rows<{launch[0]}>" in source  # the bulk-copy gather
     assert "dsa_mma_bf16" in source and "dsa_ldsm_x4_trans" in source  # mma.sync on ldmatrix
     assert ("Sink[" in source) == sink
 
