@@ -131,6 +131,30 @@ def _build_all() -> None:
         list(pool.map(lambda spec: tl.compile_few_head_forward(*spec), sorted(specs)))
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """ms per (model, heads, tokens): the library's forward and each launch of both kernels."""
+    cases = list(dict.fromkeys((r["model"], r["heads"], r["tokens"]) for r in rows))
+
+    def name(r):
+        return (
+            r["method"] if r["method"] == "library" else f"{r['method']} {r['block']}x{r['stages']}"
+        )
+
+    names = list(dict.fromkeys(name(r) for r in rows))
+
+    by = {(r["model"], r["heads"], r["tokens"], name(r)): r["ms"] for r in rows}
+    return common.bar_plot(
+        path,
+        [f"{m} {h}h {t // 1024}k" for m, h, t in cases],
+        [(n, [by.get((*c, n)) for c in cases]) for n in names],
+        ylabel="forward ms (lower is better)",
+        title="few-head forward on the copy engine (small_head_forward)",
+        figsize=(max(8, len(cases) * 1.6), 4.8),
+        log=True,
+        legend_fontsize=5,
+    )
+
+
 def main(argv=None) -> None:
     parser = common.ArgumentParser(
         prog="python -m dsa_bench.small_head_forward", description=__doc__.splitlines()[0]
@@ -198,6 +222,10 @@ def main(argv=None) -> None:
                 raise AssertionError(f"small_head_forward differs from the library: {rows[-1]}")
     common.print_table(rows, COLUMNS)
     print(f"wrote {common.write_csv(rows, args.out / 'small_head_forward.csv', COLUMNS)}")
+    try:
+        print(f"wrote {plot(rows, args.out / 'small_head_forward.png')}")
+    except ImportError:
+        print("matplotlib missing: no PNG")
 
 
 if __name__ == "__main__":
