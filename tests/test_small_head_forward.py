@@ -28,7 +28,8 @@ def test_tilelang_kernel_compiles_for_sm90a(heads, groups, dim, sink, launch):
     kernel = tl.compile_few_head_forward(heads, groups, dim, 512, sink, *launch, "sm_90a")
     source = kernel.get_kernel_source()
     assert f"dsa_issue_rows<{launch[0]}>" in source  # the bulk-copy gather
-    assert "dsa_mma_bf16" in source and "dsa_ldsm_x4_trans" in source  # mma.sync on ldmatrix
+    # mma.sync on ldmatrix fragments: S = Q K^T, and O += P V through ldmatrix.trans
+    assert "dsa_mma_pair<false>(" in source and "dsa_mma_pair<true>(" in source
     assert ("Sink[" in source) == sink
 
 

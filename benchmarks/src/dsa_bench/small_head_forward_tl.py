@@ -39,22 +39,33 @@ _PRELUDE = r"""
 __device__ __forceinline__ unsigned dsa_smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-// Four 8 x 8 bf16 matrices; lane l names row l % 8 of matrix l / 8.
+// c[0..7] += A (a[0..3], a 16 x 16 row-major fragment) times the two 16 x 8 column fragments
+// that one ldmatrix x4 at `src` loads (lane l names row l % 8 of matrix l / 8; TRANS: .trans):
+// matrices 0, 1 are the first n-tile's B fragment (c[0..3]), 2, 3 the second's (c[4..7]).
+template <bool TRANS>
+__device__ __forceinline__ void dsa_mma_pair(const void* src, float* c, const unsigned* a) {
+  unsigned b[4];
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(dsa_smem_u32(src)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(dsa_smem_u32(src)));
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[4 * n]), "+f"(c[4 * n + 1]), "+f"(c[4 * n + 2]), "+f"(c[4 * n + 3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * n]), "r"(b[2 * n + 1]));
+  }
+}
+// Q's A fragments: one ldmatrix x4 (lanes 0-15 rows 0-15 of the first 8 columns, 16-31 of the
+// next 8).
 __device__ __forceinline__ void dsa_ldsm_x4(const void* src, unsigned* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(dsa_smem_u32(src)));
-}
-__device__ __forceinline__ void dsa_ldsm_x4_trans(const void* src, unsigned* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(dsa_smem_u32(src)));
-}
-// c[0..3] += A (a[0..3], 16 x 16 row-major fragment) * B (b[0..1], 16 x 8 column fragment).
-__device__ __forceinline__ void dsa_mma_bf16(float* c, const unsigned* a, const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 __device__ __forceinline__ unsigned dsa_pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -202,7 +213,6 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             bars = T.alloc_shared([stages], "uint64")
             masks = T.alloc_shared([stages, mw], "uint32")
             qa = T.alloc_local([ks_w * 4], "uint32")
-            bfr = T.alloc_local([4], "uint32")
             pa = T.alloc_local([4], "uint32")
             sc = T.alloc_local([nt * 4], f32)
             o = T.alloc_local([vt * 4], f32)
@@ -276,23 +286,10 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                         key = t * 16 + (lane // 16) * 8 + lane % 8
                         T.call_extern(
                             "handle",
-                            "dsa_ldsm_x4",
+                            "dsa_mma_pair<false>",
                             T.address_of(ks[stage0 + key * pitch + col]),
-                            T.address_of(bfr[0]),
-                        )
-                        T.call_extern(
-                            "handle",
-                            "dsa_mma_bf16",
                             T.address_of(sc[8 * t]),
                             T.address_of(qa[k * 4]),
-                            T.address_of(bfr[0]),
-                        )
-                        T.call_extern(
-                            "handle",
-                            "dsa_mma_bf16",
-                            T.address_of(sc[8 * t + 4]),
-                            T.address_of(qa[k * 4]),
-                            T.address_of(bfr[2]),
                         )
                 # This warp's partial S (its quarter of D), in fragment order.
                 base = (j % 2) * WARPS * nt * 128
@@ -351,23 +348,10 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                         col = warp * cols_w + t * 16 + (lane // 16) * 8
                         T.call_extern(
                             "handle",
-                            "dsa_ldsm_x4_trans",
+                            "dsa_mma_pair<true>",
                             T.address_of(ks[stage0 + key * pitch + col]),
-                            T.address_of(bfr[0]),
-                        )
-                        T.call_extern(
-                            "handle",
-                            "dsa_mma_bf16",
                             T.address_of(o[8 * t]),
                             T.address_of(pa[0]),
-                            T.address_of(bfr[0]),
-                        )
-                        T.call_extern(
-                            "handle",
-                            "dsa_mma_bf16",
-                            T.address_of(o[8 * t + 4]),
-                            T.address_of(pa[0]),
-                            T.address_of(bfr[2]),
                         )
 
             for r in T.unroll(2):
