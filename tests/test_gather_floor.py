@@ -41,7 +41,6 @@ def test_cpu_interp_gather_sum(dim):
     [
         ("gather_copy.cu", "gather_copy"),
         ("reduce_add.cu", "reduce_add"),
-        ("small_head_forward.cu", "small_head_forward"),
     ],
 )
 def test_cuda_sources_build(source, entry):

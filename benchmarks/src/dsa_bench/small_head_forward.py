@@ -1,16 +1,15 @@
-"""A scratch few-head forward gathered through the copy engine, against the library's forward.
+"""A few-head forward gathered through the copy engine, against the library's forward.
 
-``small_head_forward.cu`` (built here for sm_90a) is a forward for <= 16 heads of one kv group
-whose K/V rows arrive by one ``cp.async.bulk`` each and feed ``mma.sync`` through ``ldmatrix``
-(see its header); ``small_head_forward_tl`` is the same design as a TileLang kernel with the
-library's whole forward contract. Neither is a library kernel yet: this module checks both
-against the fp32 torch reference (padding, out-of-range indices, a ragged last block; groups,
-batch and a sink for the TileLang one), then times every launch of both beside the library's
-default forward on the benchmark's indices, in one process.
+``small_head_forward_tl`` is a TileLang forward for <= 16 heads per kv group whose K/V rows
+arrive by one ``cp.async.bulk`` each and feed ``mma.sync`` through ``ldmatrix``, with the
+library forward's whole contract. It is an experiment, not a library kernel (on an H100 it was
+not faster than the library's forward at 16k tokens; ``benchmarks/NOTES.md``, "A few-head
+forward on the copy engine"): this module checks it against the fp32 torch reference (padding,
+out-of-range indices, a ragged last block, groups, batch, a sink), then times every launch
+beside the library's default forward on the benchmark's indices, in one process.
 """
 
 import concurrent.futures
-import ctypes
 import functools
 import itertools
 import math
@@ -19,7 +18,6 @@ from pathlib import Path
 import torch
 from dsa_sparse_attention import sparse_attention
 from dsa_sparse_attention.reference import sparse_attention_forward_reference
-from kernel_common.constants import LOG2E
 from kernel_common.testing import rel_diff
 
 from dsa_bench import common
@@ -27,7 +25,7 @@ from dsa_bench import small_head_forward_tl as tl
 from dsa_bench.models import MODELS
 from dsa_bench.sparse_attention import benchmark_indices
 
-LAUNCHES = tl.LAUNCHES  # (keys per block, stages): the same in both kernels
+LAUNCHES = tl.LAUNCHES  # (keys per block, stages)
 CASES = (  # (model, heads)
     ("glm5", 8),
     ("glm5", 16),
@@ -46,24 +44,6 @@ CHECK_CASES = (  # (batch, queries, keys, heads, groups, D, topk, sink)
     (1, 2048, 4096, 16, 1, 576, 2048, False),
 )
 COLUMNS = ("model", "heads", "tokens", "method", "block", "stages", "ms", "rd_out", "rd_lse")
-
-
-def run(lib, q, kv, idx, *, block: int, stages: int, scale: float) -> tuple:
-    """``(out bf16 [S, H, 512], lse fp32 [S, H])`` of the scratch kernel; q ``[S, H, D]``, kv
-    ``[S_kv, D]``, idx int32 ``[S, topk]``."""
-    s, h, d = q.shape
-    if q.data_ptr() % 16 or kv.data_ptr() % 16:
-        raise ValueError("q and kv must start 16-byte aligned (uint4 loads, bulk copies)")
-    out = torch.empty(s, h, 512, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(s, h, dtype=torch.float32, device=q.device)
-    ptr = ctypes.c_void_p
-    stream = ptr(torch.cuda.current_stream(q.device).cuda_stream)
-    args = (d, block, stages, ptr(q.data_ptr()), ptr(kv.data_ptr()), ptr(idx.data_ptr()))
-    args += (ptr(out.data_ptr()), ptr(lse.data_ptr()), s, h, kv.shape[0], idx.shape[1])
-    code = lib.small_head_forward(*args, ctypes.c_float(scale * LOG2E), stream)
-    if code:
-        raise RuntimeError(f"small_head_forward({d=}, {block=}, {stages=}) returned {code}")
-    return out, lse
 
 
 def _case(device, gen, b, s, s_kv, h, g, d, topk, sink):
@@ -98,12 +78,11 @@ def _compare(what, out, lse, want_out, want_lse) -> None:
         raise AssertionError(f"small_head_forward wrong: {what}")
 
 
-def check(lib, device, *, small: bool = False) -> None:
-    """Both kernels, every launch, against the fp32 reference (``_case``'s padding): the CUDA
-    one at B = G = 1 without a sink, the TileLang one also with batch 2, two kv groups and a
-    sink; 1 to 16 heads, D 512 and 576; topk 1 and 20 (fewer blocks than stages), 136 (a
-    ragged last block) and 2048 over 2048 queries (more programs than SMs, many stage reuses;
-    left out when ``small``, for compute-sanitizer)."""
+def check(device, *, small: bool = False) -> None:
+    """Every launch against the fp32 reference (``_case``'s padding): batch 1 and 2, one and
+    two kv groups, with and without a sink; 1 to 16 heads, D 512 and 576; topk 1 and 20 (fewer
+    blocks than stages), 136 (a ragged last block) and 2048 over 2048 queries (more programs
+    than SMs, many stage reuses; left out when ``small``, for compute-sanitizer)."""
     gen = torch.Generator(device=device).manual_seed(1)
     for b, s_len, s_kv, h, g, d, topk, sink in CHECK_CASES[:-1] if small else CHECK_CASES:
         q, kv, idx, snk = _case(device, gen, b, s_len, s_kv, h, g, d, topk, sink)
@@ -113,11 +92,7 @@ def check(lib, device, *, small: bool = False) -> None:
         for block, stages in LAUNCHES:
             what = f"{b=} {s_len=} {h=} {g=} {d=} {topk=} {sink=} {block=} {stages=}"
             out, lse2 = tl.few_head_forward(q, kv, idx, snk, scale, 512, block=block, stages=stages)
-            _compare("tilelang " + what, out, lse2 * math.log(2), want_out, want_lse)
-            if b == 1 and g == 1 and not sink:
-                flat = (q[0], kv[0, :, 0], idx[0, :, 0].contiguous())
-                out, lse = run(lib, *flat, block=block, stages=stages, scale=scale)
-                _compare("cuda " + what, out[None], lse[None], want_out, want_lse)
+            _compare(what, out, lse2 * math.log(2), want_out, want_lse)
 
 
 def _build_all() -> None:
@@ -132,7 +107,7 @@ def _build_all() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """ms per (model, heads, tokens): the library's forward and each launch of both kernels."""
+    """ms per (model, heads, tokens): the library's forward and each launch of the kernel."""
     cases = list(dict.fromkeys((r["model"], r["heads"], r["tokens"]) for r in rows))
 
     def name(r):
@@ -173,11 +148,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     common.require_cuda("dsa_bench.small_head_forward")
     device = torch.device("cuda")
-    lib = common.cuda_library("small_head_forward.cu")
-    if isinstance(lib, str):
-        raise SystemExit(f"small_head_forward: {lib}")
     _build_all()
-    check(lib, device, small=args.check_only)
+    check(device, small=args.check_only)
     if args.check_only:
         return
     rows = []
@@ -199,23 +171,16 @@ def main(argv=None) -> None:
         ms = common.time_ms(library, warmup=2, rep=args.rep, device=device)
         rows.append(base | dict(method="library", ms=round(ms, 3)))
         print(rows[-1], flush=True)
-        for (block, stages), method in itertools.product(LAUNCHES, ("cuda", "tilelang")):
-            if method == "cuda":
-                fn = functools.partial(
-                    run, lib, q[0], kv[0, :, 0], idx[0, :, 0].contiguous(),
-                    block=block, stages=stages, scale=scale,
-                )  # fmt: skip
-            else:
-                fn = functools.partial(
-                    tl.few_head_forward, q, kv, idx, None, scale, 512, block=block, stages=stages
-                )
+        for block, stages in LAUNCHES:
+            fn = functools.partial(
+                tl.few_head_forward, q, kv, idx, None, scale, 512, block=block, stages=stages
+            )
             out, lse = fn()
-            if method == "tilelang":
-                lse = lse * math.log(2)  # log2 units, as the library's kernels
+            lse = lse * math.log(2)  # log2 units, as the library's kernels
             ms = common.time_ms(fn, warmup=2, rep=args.rep, device=device)
             rd_out = rel_diff(out.reshape(want_out.shape).float(), want_out.float())
             rd_lse = rel_diff(lse.reshape(want_lse.shape), want_lse)
-            row = dict(method=method, block=block, stages=stages, ms=round(ms, 3))
+            row = dict(method="tilelang", block=block, stages=stages, ms=round(ms, 3))
             rows.append(base | row | dict(rd_out=f"{rd_out:.1e}", rd_lse=f"{rd_lse:.1e}"))
             print(rows[-1], flush=True)
             if not (rd_out < 1e-5 and rd_lse < 1e-5):  # at scale, against the library's forward

@@ -1,12 +1,20 @@
-"""The few-head copy-engine forward of ``small_head_forward.cu`` as a TileLang kernel.
+"""A few-head forward whose key rows arrive through the copy engine, as a TileLang kernel.
 
-The same design (see the CUDA file's header and benchmarks/NOTES.md, "A few-head forward on the
-copy engine"), with the library's whole forward contract: batch, kv groups (<= 16 query heads
-per group), a sink, any topk, ``d_v`` and the RoPE tail multiples of 64. TileLang lays out the
-program (shared buffers, the block loop, the softmax, the stores); the warp-level instructions
-it has no tile operator for (``ldmatrix``, ``mma.sync`` on register fragments, one bulk copy
-per row completing on an mbarrier) are small device functions in the kernel's prelude.
-Candidate for the library's forward at <= 16 heads per group; not dispatched to until measured.
+One 4-warp program per (query, kv group), the group's heads (<= 16) padded to the 16 rows of
+m16n8k16. Warp 0 issues one ``cp.async.bulk`` per valid key row of a block into a ring of
+stages (pitch D + 8: ``ldmatrix`` reads 8 rows on 8 bank groups) completing on an mbarrier;
+each warp computes S over a quarter of D from Q fragments in registers, the four partial S are
+summed in shared memory in a fixed order, and each warp accumulates O for a quarter of the
+value columns (P from registers, V through ``ldmatrix.trans``). The library forward's whole
+contract: batch, kv groups, a sink, any topk, ``d_v`` and the RoPE tail multiples of 64.
+TileLang lays out the program (shared buffers, the block loop, the softmax, the stores); the
+warp-level instructions it has no tile operator for (``ldmatrix``, ``mma.sync`` on register
+fragments, the per-row bulk copies) are small device functions in the kernel's prelude.
+
+An experiment, not a library kernel: on an H100 it was 0.85-0.99x the library forward's time
+at 4k tokens and 1.04-1.17x at 16k (benchmarks/NOTES.md, "A few-head forward on the copy
+engine": the time per key block hardly depends on the stages, and registers and shared memory
+allow 1-3 programs per SM).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations.
