@@ -83,8 +83,10 @@ def check(device, *, small: bool = False) -> None:
     two kv groups, with and without a sink; 1 to 16 heads, D 512 and 576; topk 1 and 20 (fewer
     blocks than stages), 136 (a ragged last block) and 2048 over 2048 queries (more programs
     than SMs, many stage reuses; left out when ``small``, for compute-sanitizer)."""
+    cases = CHECK_CASES[:-1] if small else CHECK_CASES
+    _build([(h, g, d, sink) for _, _, _, h, g, d, _, sink in cases])
     gen = torch.Generator(device=device).manual_seed(1)
-    for b, s_len, s_kv, h, g, d, topk, sink in CHECK_CASES[:-1] if small else CHECK_CASES:
+    for b, s_len, s_kv, h, g, d, topk, sink in cases:
         q, kv, idx, snk = _case(device, gen, b, s_len, s_kv, h, g, d, topk, sink)
         legal = torch.where((idx >= 0) & (idx < s_kv), idx, -1)
         scale = 1 / math.sqrt(d)
@@ -95,10 +97,9 @@ def check(device, *, small: bool = False) -> None:
             _compare(what, out, lse2 * math.log(2), want_out, want_lse)
 
 
-def _build_all() -> None:
-    """Compile every TileLang kernel this module runs, in threads (minutes one by one)."""
-    jobs = [(h, g, d, sink) for _, _, _, h, g, d, _, sink in CHECK_CASES]
-    jobs += [(heads, 1, MODELS[name].d_qk, False) for name, heads in CASES]
+def _build(jobs) -> None:
+    """Compile every launch of each ``(heads, groups, D, sink)`` in ``jobs``, in threads (minutes
+    one by one)."""
     specs = {
         (h, g, d, 512, sink, *launch, "sm_90a") for h, g, d, sink in jobs for launch in LAUNCHES
     }
@@ -148,10 +149,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     common.require_cuda("dsa_bench.small_head_forward")
     device = torch.device("cuda")
-    _build_all()
     check(device, small=args.check_only)
     if args.check_only:
         return
+    _build([(heads, 1, MODELS[name].d_qk, False) for name, heads in CASES])
     rows = []
     for (name, heads), tokens in itertools.product(CASES, args.tokens):
         model = MODELS[name]
