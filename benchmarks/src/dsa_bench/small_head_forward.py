@@ -2,11 +2,10 @@
 
 ``small_head_forward_tl`` is a TileLang forward for <= 16 heads per kv group whose K/V rows
 arrive by one ``cp.async.bulk`` each and feed ``mma.sync`` through ``ldmatrix``, with the
-library forward's whole contract. It is an experiment, not a library kernel (on an H100 it was
-not faster than the library's forward at 16k tokens; ``benchmarks/NOTES.md``, "A few-head
-forward on the copy engine"): this module checks it against the fp32 torch reference (padding,
-out-of-range indices, a ragged last block, groups, batch, a sink), then times every launch
-beside the library's default forward on the benchmark's indices, in one process.
+library forward's whole contract, not yet a library kernel (``benchmarks/NOTES.md``, "A
+few-head forward on the copy engine"). This module checks it against the fp32 torch reference
+(padding, out-of-range indices, a ragged last block, groups, batch, a sink), then times every
+launch beside the library's default forward on the benchmark's indices, in one process.
 """
 
 import concurrent.futures

@@ -1,8 +1,9 @@
 """A few-head forward whose key rows arrive through the copy engine, as a TileLang kernel.
 
 One 4-warp program per (query, kv group), the group's heads (<= 16) padded to the 16 rows of
-m16n8k16. Warp 0 issues one ``cp.async.bulk`` per valid key row of a block into a ring of
-stages (pitch D + 8: ``ldmatrix`` reads 8 rows on 8 bank groups) completing on an mbarrier;
+m16n8k16. Each warp issues one ``cp.async.bulk`` per valid key row of its quarter of a block
+into a ring of stages (pitch D + 8: ``ldmatrix`` reads 8 rows on 8 bank groups) completing on
+an mbarrier;
 each warp computes S over a quarter of D from Q fragments in registers, the four partial S are
 summed in shared memory in a fixed order, and each warp accumulates O for a quarter of the
 value columns (P from registers, V through ``ldmatrix.trans``). The library forward's whole
@@ -11,10 +12,10 @@ TileLang lays out the program (shared buffers, the block loop, the softmax, the 
 warp-level instructions it has no tile operator for (``ldmatrix``, ``mma.sync`` on register
 fragments, the per-row bulk copies) are small device functions in the kernel's prelude.
 
-An experiment, not a library kernel: on an H100 it was 0.85-0.99x the library forward's time
-at 4k tokens and 1.04-1.17x at 16k (benchmarks/NOTES.md, "A few-head forward on the copy
-engine": the time per key block hardly depends on the stages, and registers and shared memory
-allow 1-3 programs per SM).
+Not a library kernel yet. On an H100 it takes 0.68-0.80x of the library forward's time at 8
+heads and 0.75-0.85x at 16 heads, at 4k and 16k tokens (benchmarks/NOTES.md, "A few-head
+forward on the copy engine": its first version, where warp 0 issued every copy, was no faster
+than the library's forward).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations.
@@ -31,8 +32,8 @@ WARPS = 4
 THREADS = 32 * WARPS
 LAUNCHES = ((16, 2), (16, 3), (16, 4), (32, 2), (32, 3), (64, 2))  # (keys per block, stages)
 
-# Barriers are placed by hand (one per block); TileLang's automatic syncs would also land in
-# warp 0's refill branch, which the other warps never reach.
+# Barriers are placed by hand (one per block, the refills right after it); TileLang's automatic
+# syncs would add their own around the shared buffers the prelude's functions touch.
 PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
@@ -41,7 +42,9 @@ PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True,
 }
 
-_PRELUDE = r"""
+_PRELUDE = (
+    f"#define DSA_WARPS {WARPS}\n"
+    + r"""
 #include <tl_templates/cuda/common.h>
 #include <cuda_bf16.h>
 __device__ __forceinline__ unsigned dsa_smem_u32(const void* p) {
@@ -79,9 +82,9 @@ __device__ __forceinline__ unsigned dsa_pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&v);
 }
-__device__ __forceinline__ void dsa_mbar_init(uint64_t* bars, int n) {
+__device__ __forceinline__ void dsa_mbar_init(uint64_t* bars, int n, int arrivals) {
   for (int s = 0; s < n; ++s)
-    asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(dsa_smem_u32(bars + s)));
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(dsa_smem_u32(bars + s)), "r"(arrivals));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void dsa_mbar_wait(uint64_t* bar, int parity) {
@@ -95,60 +98,58 @@ __device__ __forceinline__ void dsa_mbar_wait(uint64_t* bar, int parity) {
 __device__ __forceinline__ void dsa_fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Warp 0, lane l: the key rows of index slots col0 + l, col0 + l + 32, ... of block [col0,
-// col0 + BK) into rows[], -1 where invalid (outside [0, s_kv) or past topk). Loaded one block
-// before the copies are issued, so the index loads are off the path between two barriers.
+// Every warp gathers 1 / DSA_WARPS of each block (its "share" of BK / DSA_WARPS rows), so the
+// copies of a block are issued by all warps at once. A cp.async.bulk takes its addresses in uniform
+// registers: the compiler issues one lane's copy per pass of a loop, so one warp issuing all
+// BK copies held the other warps at the next barrier (ncu: 29% of the stalls).
+//
+// Lane l < BK / DSA_WARPS of warp w: the raw index of slot col0 + w * BK / DSA_WARPS + l into
+// *row (-1 past topk). Loaded one block before its copies are issued and range-checked only
+// there, so the load's latency is off the path between two barriers.
 template <int BK>
-__device__ __forceinline__ void dsa_load_rows(const int* idx_row, int col0, int topk, int s_kv,
-                                              int* rows) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int w = 0; w < (BK + 31) / 32; ++w) {
-    const int k = w * 32 + lane, col = col0 + k;
-    const int r = (k < BK && col < topk) ? __ldg(idx_row + col) : -1;
-    rows[w] = (r >= 0 && r < s_kv) ? r : -1;
-  }
+__device__ __forceinline__ void dsa_load_rows(const int* idx_row, int col0, int topk, int* row) {
+  constexpr int RW = BK / DSA_WARPS;
+  const int lane = threadIdx.x & 31, col = col0 + (threadIdx.x >> 5) * RW + lane;
+  *row = (lane < RW && col < topk) ? __ldg(idx_row + col) : -1;
 }
-// Warp 0: the valid rows[] into stage `slot` of `stages` (rows `pitch` elements apart), one
-// bulk copy of `row_elems` bf16 each, completing on bars[slot]; the block's validity bits into
-// masks[slot] (lane 0 stores them before its arrival, so every thread that waits on the barrier
-// sees them). Invalid rows are not copied. (The stage is found here from the slot: TileLang's
-// storage rewrite fails on an address_of at a run-time offset into the 64-key stages.)
+// Warp w: the valid rows of its share (*row from dsa_load_rows; valid: 0 <= row < s_kv) into
+// stage `slot` of `stages` (rows `pitch` elements apart), one bulk copy of `row_elems` bf16
+// each, completing on bars[slot] (DSA_WARPS arrivals: one per warp); the share's validity bits,
+// at their key positions in the block's MW words, into masks[slot][w][] (words per warp, so no
+// two warps store to one word; readers OR them). Lane 0 stores them before its arrival, so
+// every thread that waits on the barrier sees them. Invalid rows are not copied. (The stage is
+// found here from the slot: TileLang's storage rewrite fails on an address_of at a run-time
+// offset into the 64-key stages.)
 template <int BK>
-__device__ __forceinline__ void dsa_issue_rows(const int* rows, const void* kv, long long kv_stride,
-                                               int row_elems, void* stages, int pitch,
+__device__ __forceinline__ void dsa_issue_rows(const int* row, const void* kv, long long kv_stride,
+                                               int row_elems, int s_kv, void* stages, int pitch,
                                                unsigned* masks, uint64_t* bars, int slot) {
-  constexpr int MW = (BK + 31) / 32;
-  void* stage = static_cast<char*>(stages) + slot * BK * pitch * 2;
+  constexpr int MW = (BK + 31) / 32, RW = BK / DSA_WARPS;
+  static_assert(RW <= 32 && 32 % RW == 0, "a share's bits lie in one word");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, key0 = warp * RW;
+  const int r = *row;
+  const bool valid = lane < RW && r >= 0 && r < s_kv;
+  const unsigned bits = __ballot_sync(0xffffffffu, valid);  // lanes 0..RW-1
   uint64_t* bar = bars + slot;
-  const int lane = threadIdx.x & 31;
-  unsigned words[MW];
-  int valid = 0;
-#pragma unroll
-  for (int w = 0; w < MW; ++w) {
-    words[w] = __ballot_sync(0xffffffffu, rows[w] >= 0);
-    valid += __popc(words[w]);
-  }
   dsa_fence_proxy_async();  // the stage was last read through the generic proxy (ldmatrix)
   if (lane == 0) {
 #pragma unroll
-    for (int w = 0; w < MW; ++w) masks[slot * MW + w] = words[w];
+    for (int w = 0; w < MW; ++w)
+      masks[(slot * DSA_WARPS + warp) * MW + w] = w == key0 / 32 ? bits << (key0 % 32) : 0u;
     asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(dsa_smem_u32(bar)),
-                 "r"(valid * row_elems * 2) : "memory");
+                 "r"(__popc(bits) * row_elems * 2) : "memory");
   }
   __syncwarp();
-#pragma unroll
-  for (int w = 0; w < MW; ++w) {
-    if (rows[w] >= 0) {
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                   " [%0], [%1], %2, [%3];"
-                   ::"r"(dsa_smem_u32(static_cast<char*>(stage) + (w * 32 + lane) * pitch * 2)),
-                   "l"(static_cast<const char*>(kv) + rows[w] * kv_stride * 2),
-                   "r"(row_elems * 2), "r"(dsa_smem_u32(bar)) : "memory");
-    }
+  if (valid) {
+    char* dst = static_cast<char*>(stages) + (slot * BK + key0 + lane) * pitch * 2;
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];"
+                 ::"r"(dsa_smem_u32(dst)), "l"(static_cast<const char*>(kv) + r * kv_stride * 2),
+                 "r"(row_elems * 2), "r"(dsa_smem_u32(bar)) : "memory");
   }
 }
 """
+)
 
 
 def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: int, stages: int):
@@ -176,20 +177,19 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
 
     @T.macro
     def load_rows(Indices, rows, bb, bs, bg, j):
-        """Warp 0: block j's key rows into ``rows`` (``dsa_load_rows``)."""
+        """Every warp: the indices of its share of block j into ``rows`` (``dsa_load_rows``)."""
         T.call_extern(
             "handle",
             f"dsa_load_rows<{block}>",
             T.address_of(Indices[bb, bs, bg, 0]),
             j * block,
             topk,
-            seq_kv,
             T.address_of(rows[0]),
         )
 
     @T.macro
     def issue(KV, ks, masks, bars, rows, bb, bg, j):
-        """Warp 0: block j's rows into stage j % stages (``dsa_issue_rows``)."""
+        """Every warp: its share of block j's rows into stage j % stages (``dsa_issue_rows``)."""
         T.call_extern(
             "handle",
             f"dsa_issue_rows<{block}>",
@@ -197,9 +197,10 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             T.address_of(KV[bb, 0, bg, 0]),
             groups * dim,
             dim,
+            seq_kv,
             T.address_of(ks[0]),
             pitch,
-            T.address_of(masks[0, 0]),
+            T.address_of(masks[0, 0, 0]),
             T.address_of(bars[0]),
             j % stages,
         )
@@ -219,7 +220,7 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             ks = T.alloc_shared([stages * block * pitch], bf16)
             part = T.alloc_shared([2 * WARPS * nt * 128], f32)
             bars = T.alloc_shared([stages], "uint64")
-            masks = T.alloc_shared([stages, mw], "uint32")
+            masks = T.alloc_shared([stages, WARPS, mw], "uint32")
             qa = T.alloc_local([ks_w * 4], "uint32")
             pa = T.alloc_local([4], "uint32")
             sc = T.alloc_local([nt * 4], f32)
@@ -231,7 +232,7 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             tot = T.alloc_local([2], f32)
             lse2 = T.alloc_local([1], f32)
             mword = T.alloc_local([mw], "int32")
-            rows = T.alloc_local([mw], "int32")  # warp 0: the next block to issue
+            rows = T.alloc_local([1], "int32")  # this lane's index in the next block to issue
             tx = T.get_thread_binding()
             warp = tx // 32
             lane = tx % 32
@@ -239,7 +240,7 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
             scale2 = sm_scale * LOG2E
 
             if tx == 0:
-                T.call_extern("handle", "dsa_mbar_init", T.address_of(bars[0]), stages)
+                T.call_extern("handle", "dsa_mbar_init", T.address_of(bars[0]), stages, WARPS)
             # Zero Q's padding rows and every stage once: rows never copied stay finite.
             for i in T.serial(T.ceildiv(HB * pitch // 8, THREADS)):
                 e = i * THREADS + tx
@@ -261,13 +262,12 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                     for v in T.vectorized(8):
                         qs[h * pitch + c * 8 + v] = Q[bb, bs, bg * hg + h, c * 8 + v]
             T.sync_threads()
-            if warp == 0:
-                for j in T.serial(stages):
-                    if j < n_blocks:
-                        load_rows(Indices, rows, bb, bs, bg, j)
-                        issue(KV, ks, masks, bars, rows, bb, bg, j)
-                if stages < n_blocks:
-                    load_rows(Indices, rows, bb, bs, bg, stages)
+            for j in T.serial(stages):
+                if j < n_blocks:
+                    load_rows(Indices, rows, bb, bs, bg, j)
+                    issue(KV, ks, masks, bars, rows, bb, bg, j)
+            if stages < n_blocks:
+                load_rows(Indices, rows, bb, bs, bg, stages)
             for k in T.unroll(ks_w):
                 col = (warp * ks_w + k) * 16 + (lane // 16) * 8
                 T.call_extern(
@@ -306,7 +306,7 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                         part[base + (warp * nt + t) * 128 + lane * 4 + i] = sc[t * 4 + i]
                 T.sync_threads()
                 # Every warp is past block j - 1: its stage is free.
-                if (warp == 0) & (j >= 1) & (j - 1 + stages < n_blocks):
+                if (j >= 1) & (j - 1 + stages < n_blocks):
                     issue(KV, ks, masks, bars, rows, bb, bg, j - 1 + stages)
                     if j + stages < n_blocks:  # lands while this block computes
                         load_rows(Indices, rows, bb, bs, bg, j + stages)
@@ -319,8 +319,10 @@ def build(heads: int, groups: int, dim: int, d_v: int, has_sink: bool, block: in
                         ) + part[e + 3 * nt * 128]
                 for r in T.unroll(2):
                     mx[r] = -T.infinity(f32)
-                for w in T.unroll(mw):
-                    mword[w] = T.cast(masks[s, w], "int32")
+                for w in T.unroll(mw):  # the block's validity bits: the warps' words ORed
+                    mword[w] = 0
+                    for v in T.unroll(WARPS):
+                        mword[w] = mword[w] | T.cast(masks[s, v, w], "int32")
                 for t in T.unroll(nt):
                     for i in T.unroll(4):
                         bit = (mword[t // 4] >> ((t % 4) * 8 + (lane % 4) * 2 + i % 2)) & 1
