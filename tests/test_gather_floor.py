@@ -37,14 +37,10 @@ def test_cpu_interp_gather_sum(dim):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
-    ("source", "entry"),
-    [
-        ("gather_copy.cu", "gather_copy"),
-        ("reduce_add.cu", "reduce_add"),
-    ],
+    ("source", "entry"), [("gather_copy.cu", "gather_copy"), ("reduce_add.cu", "reduce_add")]
 )
 def test_cuda_sources_build(source, entry):
-    """The scratch CUDA sources compile for sm_90a and export their launchers (no GPU needed)."""
+    """The floors' CUDA sources compile for sm_90a and export their launchers (no GPU needed)."""
     lib = cuda_library(source)
     assert not isinstance(lib, str), lib
     assert hasattr(lib, entry)
